@@ -1,0 +1,1 @@
+"""zipmoe.kernels: merge (and split) kernels: numba on the CPU, Triton on CUDA."""

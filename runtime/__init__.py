@@ -1,0 +1,1 @@
+"""zipmoe.runtime: expert store, cache pools, planner, scheduler, transformers integration."""

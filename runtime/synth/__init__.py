@@ -1,0 +1,1 @@
+"""zipmoe.runtime.synth: synthetic checkpoints of every supported family, and the demo model."""

@@ -1,0 +1,30 @@
+"""zipmoe: serve Mixture-of-Experts models from SSD, losslessly compressed, bit for bit.
+
+The public Python API is small::
+
+    import zipmoe
+    model, tokenizer = zipmoe.load("model.zmoe", budget="8G", device="auto")
+
+Subpackages: ``zipmoe.codecs`` (bit fields, exponent codecs, the .zmoe container),
+``zipmoe.kernels`` (merge/split kernels, numba on the CPU, Triton on CUDA) and
+``zipmoe.runtime`` (expert store, cache, scheduler, planner, transformers integration).
+"""
+
+from __future__ import annotations
+
+from .errors import ZipmoeError
+
+__version__ = "0.1.0"
+
+__all__ = ["ZipmoeError", "__version__", "load"]
+
+
+def load(path, budget="8G", device="auto", plan=None, **kwargs):
+    """Load a .zmoe container as a transformers model served under a memory budget.
+
+    Returns ``(model, tokenizer)``. Dense weights are resident; expert weights come from the
+    container on demand. See ``zipmoe.runtime.loader.load`` for every option.
+    """
+    from .runtime.loader import load as _load
+
+    return _load(path, budget=budget, device=device, plan=plan, **kwargs)
