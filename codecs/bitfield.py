@@ -45,3 +45,33 @@ def exp_entropy_bits(exp: np.ndarray) -> float:
 def bound_bytes(exp: np.ndarray) -> float:
     """The per-tensor size bound: n · (8 + H(exp)) / 8 bytes for n bf16 values (2n bytes)."""
     return exp.size * (8.0 + exp_entropy_bits(exp)) / 8.0
+
+
+def _histogram_py(exp, counts):  # pragma: no cover - replaced by the numba version
+    counts += np.bincount(exp, minlength=256).astype(np.int64)
+
+
+try:
+    import numba
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def _histogram_nb(exp, counts):  # pragma: no cover - compiled
+        for i in range(exp.shape[0]):
+            counts[exp[i]] += 1
+
+    _histogram = _histogram_nb
+except ImportError:  # pragma: no cover
+    _histogram = _histogram_py
+
+
+def histogram_into(exp: np.ndarray, counts: np.ndarray) -> None:
+    """Add the byte histogram of ``exp`` (1-D uint8) into ``counts`` (int64[256]); nogil."""
+    _histogram(exp, counts)
+
+
+def entropy_from_counts(counts: np.ndarray) -> float:
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0].astype(np.float64) / total
+    return float(-(p * np.log2(p)).sum())
