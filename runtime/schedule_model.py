@@ -1,0 +1,373 @@
+"""The scheduler's cost model and simulator for one sparse layer (shared by the runtime's
+scheduler, the planner and the simulator test).
+
+Once the router of a sparse layer has chosen, every chosen expert tensor is in one cache
+state, and its state decides its tasks (``R`` = read on the disk, ``D`` = decompress E on a
+CPU worker, ``M`` = merge E and SM into bf16 on the device, ``C`` = the expert's compute on
+the device)::
+
+    full        C                                   (nothing to load)
+    compressed  D -> M -> C                         Type II (SM cached; E cached compressed)
+    sm_only     R(E) -> D -> M -> C                 Type II (SM cached)
+    e_only      R(SM) ─┐                            Type I  (E cached compressed: D needs no
+                D ─────┴─> M -> C                            read and runs while SM is read)
+    none        R(E+SM) -> D -> M -> C              Type I  (one read of the tensor's extent:
+                                                            the container stores E and SM of a
+                                                            tensor contiguously)
+
+Resources: one I/O channel (the disk, one request at a time), ``L`` CPU decode workers, and
+one device that runs merges and computes one after the other. An expert (all tensors sharing a
+``Task.expert`` key) computes once, after all its tensors are whole.
+
+Public API (exact signatures)::
+
+    STATES = ("full", "compressed", "sm_only", "e_only", "none")
+    Task(state: str, nbytes: int, e_bytes: int, sm_bytes: int | None = None,
+         expert: Hashable | None = None)
+    Costs(disk_bw: float, disk_latency: float, decomp_bw_per_worker: float, merge_bw: float,
+          compute_s_per_expert: float, decomp_overhead_s: float = 0.0,
+          merge_overhead_s: float = 0.0)
+    durations(task: Task, costs: Costs) -> tuple[float, float, float]   # (read_s, decomp_s, merge_s)
+    order(tasks: Sequence[Task]) -> list[int]          # priority list (indices into tasks)
+    schedule(tasks, L: int, costs) -> Schedule         # every op's start/end, the makespan
+    simulate(tasks, L: int, costs) -> float            # makespan in seconds
+    lower_bound(tasks, L: int, costs) -> float         # a lower bound on any schedule's makespan
+    layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]]) -> list[Task]
+    makespan_for_counts(counts, tensors, L, costs) -> float  (memoised simulate of layer_tasks)
+
+What the numbers count (normative; runtime.profile measures exactly these):
+
+- ``Task.nbytes``: the tensor's decoded size in bf16 bytes (2 × numel).
+  ``Task.e_bytes``: its stored (compressed) E chunks, bytes. ``Task.sm_bytes``: its stored SM
+  chunk (numel bytes; default ``nbytes // 2``).
+- ``Costs.disk_bw``: stored bytes per second of cold reads (O_DIRECT, one request in flight).
+  ``Costs.disk_latency``: seconds added to every read request. A read of ``n`` bytes takes
+  ``disk_latency + n / disk_bw``.
+- ``Costs.decomp_bw_per_worker``: bf16 bytes (``Task.nbytes``, as in DESIGN.md's codec table,
+  not the exponent bytes written) decoded per second by one worker, decoding into a
+  preallocated buffer. Plus ``decomp_overhead_s`` per decompression job.
+- ``Costs.merge_bw``: bf16 bytes produced per second by the merge on the device (plus
+  ``merge_overhead_s`` per merge).
+- ``Costs.compute_s_per_expert``: seconds of one expert's forward (all its projections) for one
+  decode step on the device.
+
+The list-scheduling order (:func:`order`; every resource takes the ready op that comes first in
+it): Type I before Type II, so that the disk starts with Type-I reads and stays busy, while the
+workers, which Type-I work cannot use until its reads land, fill with Type-II decompressions::
+
+    none (shortest read first) < e_only (shortest SM read first) < sm_only (shortest E read
+    first) < compressed (largest decompression first) < full
+
+The disk reads in that order; a free worker takes the first ready decompression in that order;
+the free device takes a ready compute first (an expert computes as soon as its weights are
+whole), else the first ready merge. No resource idles while it has a ready op (greedy).
+
+Guarantee (tests/test_schedule_model.py checks it on random instances):
+``simulate(...) <= (3 - 1/L) * lower_bound(...)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+STATES = ("full", "compressed", "sm_only", "e_only", "none")
+TYPE_I = frozenset({"e_only", "none"})
+TYPE_II = frozenset({"compressed", "sm_only"})
+_READS = frozenset({"none", "e_only", "sm_only"})
+_CLASS = {"none": 0, "e_only": 1, "sm_only": 2, "compressed": 3, "full": 4}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One chosen expert tensor of a sparse layer, in one cache state."""
+
+    state: str
+    nbytes: int  # decoded bf16 bytes (2 x numel)
+    e_bytes: int  # stored compressed E bytes
+    sm_bytes: int | None = None  # stored SM bytes (numel); None -> nbytes // 2
+    expert: Hashable | None = None  # tensors with the same key compute together; None -> alone
+
+    def __post_init__(self) -> None:
+        if self.state not in _CLASS:
+            raise ValueError(f"unknown state {self.state!r}; expected one of {', '.join(STATES)}")
+        if self.sm_bytes is None:
+            object.__setattr__(self, "sm_bytes", self.nbytes // 2)
+        if self.nbytes < 0 or self.e_bytes < 0 or self.sm_bytes < 0:
+            raise ValueError("byte counts must not be negative")
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes this task reads from the disk (0 when it reads nothing)."""
+        if self.state == "none":
+            return self.e_bytes + self.sm_bytes
+        if self.state == "e_only":
+            return self.sm_bytes
+        if self.state == "sm_only":
+            return self.e_bytes
+        return 0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured hardware costs (see the module docstring for exactly what each counts)."""
+
+    disk_bw: float  # stored bytes / s, cold, one request at a time
+    disk_latency: float  # s per read request
+    decomp_bw_per_worker: float  # bf16 bytes / s / worker
+    merge_bw: float  # bf16 bytes / s on the device
+    compute_s_per_expert: float  # s per expert per decode step
+    decomp_overhead_s: float = 0.0  # s per decompression job
+    merge_overhead_s: float = 0.0  # s per merge
+
+    def __post_init__(self) -> None:
+        for name in ("disk_bw", "decomp_bw_per_worker", "merge_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Costs.{name} must be positive")
+        for name in ("disk_latency", "compute_s_per_expert", "decomp_overhead_s", "merge_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must not be negative")
+
+
+def durations(task: Task, costs: Costs) -> tuple[float, float, float]:
+    """``(read_s, decomp_s, merge_s)`` of one task; 0.0 for the ops its state does not have."""
+    read = costs.disk_latency + task.read_bytes / costs.disk_bw if task.state in _READS else 0.0
+    if task.state == "full":
+        return 0.0, 0.0, 0.0
+    decomp = costs.decomp_overhead_s + task.nbytes / costs.decomp_bw_per_worker
+    merge = costs.merge_overhead_s + task.nbytes / costs.merge_bw
+    return read, decomp, merge
+
+
+def order(tasks: Sequence[Task]) -> list[int]:
+    """The priority list: indices of ``tasks``, first = most urgent (see the module docstring)."""
+
+    def key(i: int):
+        t = tasks[i]
+        c = _CLASS[t.state]
+        if t.state == "compressed":
+            second = -t.nbytes  # largest decompression first (fills the workers, LPT)
+        else:
+            second = t.read_bytes  # shortest read first: releases decode work early
+        return (c, second, i)
+
+    return sorted(range(len(tasks)), key=key)
+
+
+@dataclass
+class Schedule:
+    """The simulated schedule: per task ``(start, end)`` of each op (None if it has none)."""
+
+    makespan: float
+    read: list[tuple[float, float] | None] = field(default_factory=list)
+    decomp: list[tuple[float, float, int] | None] = field(default_factory=list)  # (start, end, worker)
+    merge: list[tuple[float, float] | None] = field(default_factory=list)
+    compute: dict[Hashable, tuple[float, float]] = field(default_factory=dict)
+
+
+def _group_keys(tasks: Sequence[Task]) -> list[Hashable]:
+    return [("__task__", i) if t.expert is None else ("__expert__", t.expert) for i, t in enumerate(tasks)]
+
+
+def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
+    """Run the greedy list schedule of :func:`order` as a discrete-event simulation."""
+    tasks = list(tasks)
+    if L < 1:
+        raise ValueError("L (decode workers) must be at least 1")
+    n = len(tasks)
+    sched = Schedule(0.0, [None] * n, [None] * n, [None] * n, {})
+    if n == 0:
+        return sched
+    pri = order(tasks)
+    rank = [0] * n
+    for p, i in enumerate(pri):
+        rank[i] = p
+    dur = [durations(t, costs) for t in tasks]
+    gkeys = _group_keys(tasks)
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(gkeys):
+        members.setdefault(g, []).append(i)
+    grank = {g: min(rank[i] for i in ms) for g, ms in members.items()}
+    pending = {g: sum(1 for i in ms if tasks[i].state != "full") for g, ms in members.items()}
+
+    disk_queue = [i for i in pri if tasks[i].state in ("none", "e_only", "sm_only")]
+    disk_pos = 0
+    ready_decomp: list[tuple[int, int]] = []  # heap of (rank, task)
+    ready_merge: list[tuple[int, int]] = []
+    ready_compute: list[tuple[int, int, Hashable]] = []
+    decomp_done = [False] * n
+    sm_here = [t.state != "e_only" for t in tasks]  # e_only waits for its SM read before merging
+
+    for i in pri:
+        if tasks[i].state in ("compressed", "e_only"):
+            heapq.heappush(ready_decomp, (rank[i], i))
+    gid = {g: k for k, g in enumerate(members)}
+    for g in members:
+        if pending[g] == 0:
+            heapq.heappush(ready_compute, (grank[g], gid[g], g))
+
+    events: list[tuple[float, int, str, int, object]] = []  # (time, seq, kind, task, payload)
+    seq = 0
+    now = 0.0
+    disk_free = True
+    free_workers = list(range(L - 1, -1, -1))
+    device_free = True
+    end = 0.0
+
+    def merge_ready(i: int) -> None:
+        if decomp_done[i] and sm_here[i]:
+            heapq.heappush(ready_merge, (rank[i], i))
+
+    while True:
+        # dispatch everything that can start now
+        if disk_free and disk_pos < len(disk_queue):
+            i = disk_queue[disk_pos]
+            disk_pos += 1
+            d = dur[i][0]
+            sched.read[i] = (now, now + d)
+            heapq.heappush(events, (now + d, seq, "read", i, None))
+            seq += 1
+            disk_free = False
+        while free_workers and ready_decomp:
+            _, i = heapq.heappop(ready_decomp)
+            w = free_workers.pop()
+            d = dur[i][1]
+            sched.decomp[i] = (now, now + d, w)
+            heapq.heappush(events, (now + d, seq, "decomp", i, w))
+            seq += 1
+        if device_free and (ready_compute or ready_merge):
+            if ready_compute:
+                _, _, g = heapq.heappop(ready_compute)
+                d = costs.compute_s_per_expert
+                sched.compute[g] = (now, now + d)
+                heapq.heappush(events, (now + d, seq, "compute", -1, g))
+            else:
+                _, i = heapq.heappop(ready_merge)
+                d = dur[i][2]
+                sched.merge[i] = (now, now + d)
+                heapq.heappush(events, (now + d, seq, "merge", i, None))
+            seq += 1
+            device_free = False
+        if not events:
+            break
+        # advance to the next completion; process every event at that instant
+        now = events[0][0]
+        while events and events[0][0] == now:
+            _, _, kind, i, payload = heapq.heappop(events)
+            end = max(end, now)
+            if kind == "read":
+                disk_free = True
+                st = tasks[i].state
+                if st == "e_only":
+                    sm_here[i] = True
+                    merge_ready(i)
+                else:  # none, sm_only: E is here, decompress
+                    heapq.heappush(ready_decomp, (rank[i], i))
+            elif kind == "decomp":
+                free_workers.append(payload)  # type: ignore[arg-type]
+                decomp_done[i] = True
+                merge_ready(i)
+            elif kind == "merge":
+                device_free = True
+                g = gkeys[i]
+                pending[g] -= 1
+                if pending[g] == 0:
+                    heapq.heappush(ready_compute, (grank[g], gid[g], g))
+            else:  # compute
+                device_free = True
+    sched.makespan = end
+    return sched
+
+
+def simulate(tasks: Sequence[Task], L: int, costs: Costs) -> float:
+    """Makespan (seconds) of the list schedule of one sparse layer's tasks."""
+    return schedule(tasks, L, costs).makespan
+
+
+def _pre_merge(t: Task, d: tuple[float, float, float]) -> float:
+    """Earliest time the task's merge can start, alone on the machine."""
+    r, dc, _ = d
+    if t.state == "e_only":
+        return max(r, dc)
+    return r + dc
+
+
+def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
+    """A lower bound on the makespan of any schedule of ``tasks``: the max of
+
+    - total disk time (every read's latency + bytes / bw), and that plus the shortest tail any
+      read leaves after it (decompression, merge, compute that must follow the last read);
+    - total decode work / L;
+    - total device work (merges + one compute per expert), and that plus the earliest moment any
+      device op can be ready;
+    - the longest single chain: per expert, max over its tensors of read/decompress/merge (the
+      e_only read overlaps its decompression), or its earliest merge-ready time + all its merges
+      (serial on the device), then its compute.
+    """
+    tasks = list(tasks)
+    if L < 1:
+        raise ValueError("L (decode workers) must be at least 1")
+    if not tasks:
+        return 0.0
+    dur = [durations(t, costs) for t in tasks]
+    gkeys = _group_keys(tasks)
+    c = costs.compute_s_per_expert
+    groups: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(gkeys):
+        groups.setdefault(g, []).append(i)
+
+    disk = sum(dur[i][0] for i in range(len(tasks)))
+    decode = sum(dur[i][1] for i in range(len(tasks))) / L
+    device = sum(dur[i][2] for i in range(len(tasks))) + c * len(groups)
+
+    chain = 0.0
+    for ms in groups.values():
+        loaded = [i for i in ms if tasks[i].state != "full"]
+        if loaded:
+            per = max(_pre_merge(tasks[i], dur[i]) + dur[i][2] for i in loaded)
+            serial = min(_pre_merge(tasks[i], dur[i]) for i in loaded) + sum(dur[i][2] for i in loaded)
+            chain = max(chain, max(per, serial) + c)
+        else:
+            chain = max(chain, c)
+
+    bounds = [disk, decode, device, chain]
+    readers = [i for i, t in enumerate(tasks) if t.state in ("none", "e_only", "sm_only")]
+    if readers:
+        tails = []
+        for i in readers:
+            _, dc, m = dur[i]
+            tails.append((m if tasks[i].state == "e_only" else dc + m) + c)
+        bounds.append(disk + min(tails))
+    loaded_all = [i for i, t in enumerate(tasks) if t.state != "full"]
+    if loaded_all and len(loaded_all) == len(tasks):
+        bounds.append(device + min(_pre_merge(tasks[i], dur[i]) for i in loaded_all))
+    return max(bounds)
+
+
+def layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]]) -> list[Task]:
+    """The tasks of one sparse layer when ``counts[state]`` chosen experts are in each state.
+
+    ``tensors`` describes one expert: ``(nbytes, e_bytes, sm_bytes)`` per tensor (e.g. gate, up,
+    down). All tensors of an expert share its state (the planner assigns whole experts to a pool).
+    """
+    out: list[Task] = []
+    e = 0
+    for state in STATES:
+        for _ in range(int(counts.get(state, 0))):
+            for nb, eb, sb in tensors:
+                out.append(Task(state, int(nb), int(eb), int(sb), expert=e))
+            e += 1
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _makespan_cached(counts: tuple[int, ...], tensors: tuple[tuple[int, int, int], ...], L: int, costs: Costs) -> float:
+    return simulate(layer_tasks(dict(zip(STATES, counts)), tensors), L, costs)
+
+
+def makespan_for_counts(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs) -> float:
+    """Memoised :func:`simulate` of :func:`layer_tasks` (the planner calls this many times)."""
+    key = tuple(int(counts.get(s, 0)) for s in STATES)
+    return _makespan_cached(key, tuple(tuple(int(x) for x in t) for t in tensors), int(L), costs)
