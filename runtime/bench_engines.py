@@ -1,0 +1,201 @@
+"""The engines `zipmoe bench` compares, and how each one is loaded inside its worker process.
+
+| engine | what it is | loaded with |
+|---|---|---|
+| ``zipmoe`` | the runtime with its plan (+planning) | ``zipmoe.load(container, budget, device, plan=plan.json)`` |
+| ``zipmoe-pools`` | ablation: heterogeneous pools, default split, no plan | ``zipmoe.load(container, budget, device, plan=None)`` |
+| ``zipmoe-basic`` | ablation: basic eviction only (one pool of full tensors) | ``zipmoe.load(..., pools={"full": budget})`` |
+| ``uncompressed`` | the runtime on a container written with codec ``raw`` | ``zipmoe.load(raw_container, budget, device)`` |
+| ``accelerate`` | Hugging Face disk offload of the same model | ``from_pretrained(source, device_map="auto", max_memory=..., offload_folder=...)`` |
+| ``resident`` | everything in memory, no budget (the ceiling and the token reference) | ``from_pretrained(source, device_map={"": device})`` |
+
+The zipmoe engines only use the public ``zipmoe.load`` keyword arguments; an option the
+runtime does not accept yet makes :func:`check_runtime_options` say precisely which one.
+The Hugging Face engines load with ``experts_implementation="eager"`` where the installed
+transformers knows it (the reference the runtime is bit-identical to) and ``dtype="auto"``.
+
+This module imports torch/transformers lazily: the parent process of `zipmoe bench` uses
+only the table and the checks, the worker process does the loading.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from zipmoe.errors import UsageError
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    kind: str  # "zipmoe" (zipmoe.load) or "hf" (transformers from_pretrained)
+    needs: str  # "container", "raw_container" or "source"
+    budgeted: bool  # runs under the budget (and its cgroup)
+    extra: str | None  # the pip extra that installs what it needs
+    doc: str
+
+
+ENGINES: dict[str, EngineSpec] = {
+    e.name: e
+    for e in (
+        EngineSpec("zipmoe", "zipmoe", "container", True, None, "zipmoe runtime with plan (+planning)"),
+        EngineSpec("zipmoe-pools", "zipmoe", "container", True, None, "ablation: heterogeneous pools, default split, no plan"),
+        EngineSpec("zipmoe-basic", "zipmoe", "container", True, None, "ablation: basic eviction only (full-tensor pool)"),
+        EngineSpec("uncompressed", "zipmoe", "raw_container", True, None, "zipmoe runtime on a codec-raw container (no compression)"),
+        EngineSpec("accelerate", "hf", "source", True, "bench", "transformers + accelerate disk offload (device_map=auto, max_memory, offload_folder)"),
+        EngineSpec("resident", "hf", "source", False, None, "transformers, every weight in memory (no budget)"),
+    )
+}
+BASELINES = ("accelerate", "uncompressed", "resident")
+ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe")
+
+# What each zipmoe engine asks of zipmoe.load beyond (path, budget, device, plan).
+RUNTIME_OPTIONS: dict[str, dict] = {
+    "zipmoe": {},
+    "zipmoe-pools": {},
+    "zipmoe-basic": {"pools": "__full_only__"},  # replaced by {"full": budget_bytes}
+    "uncompressed": {},
+}
+
+
+def engine(name: str) -> EngineSpec:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise UsageError(f"unknown engine {name!r}: choose from {', '.join(ENGINES)}") from None
+
+
+def missing_extra(name: str) -> str | None:
+    """A one-line reason when the engine's Python packages are missing, else None."""
+    spec = engine(name)
+    if spec.name == "accelerate":
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            return "baseline 'accelerate' needs the accelerate package: pip install 'zipmoe[bench]'"
+    return None
+
+
+def _load_fn():
+    """runtime.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
+    try:
+        from zipmoe.runtime import loader
+    except ImportError as exc:
+        raise UsageError(f"the zipmoe runtime is not available in this build ({exc})") from None
+    return loader.load
+
+
+def check_runtime_options(name: str) -> str | None:
+    """None when ``zipmoe.load`` accepts what the engine needs, else the missing option, exactly."""
+    spec = engine(name)
+    if spec.kind != "zipmoe":
+        return None
+    try:
+        fn = _load_fn()
+    except UsageError as exc:
+        return str(exc)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = sig.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None  # accepts **kwargs: find out at load time
+    for opt in RUNTIME_OPTIONS.get(name, {}):
+        if opt not in params:
+            return (
+                f"engine {name!r} needs zipmoe.load(..., {opt}=...) which the runtime does not accept yet "
+                f"(wanted: pools={{'full': budget_bytes}} = all of the budget in the full-tensor pool, LFU eviction)"
+            )
+    return None
+
+
+# ----------------------------------------------------------------------------- in the worker
+
+
+def _torch_dtype_kw(transformers) -> str:
+    """``dtype`` (transformers >= 4.56/5.x) or the older ``torch_dtype``."""
+    try:
+        sig = inspect.signature(transformers.PreTrainedModel.from_pretrained)
+        if "torch_dtype" in sig.parameters and "dtype" not in sig.parameters:
+            return "torch_dtype"
+    except (TypeError, ValueError):
+        pass
+    return "dtype"
+
+
+def _auto_class(config: dict):
+    import transformers
+
+    if config.get("is_encoder_decoder"):
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForCausalLM
+
+
+def hf_max_memory(budget: int, device: str) -> dict:
+    """accelerate's max_memory for a budget: the whole budget on the device that computes.
+
+    On CUDA every weight that does not fit the GPU share goes to disk ("cpu": 0); the host
+    memory the cgroup allows on top (page cache of the offloaded files) only favours the
+    baseline, so comparisons stay conservative.
+    """
+    if device == "cuda":
+        return {0: int(budget), "cpu": 0}
+    return {"cpu": int(budget)}
+
+
+def load_engine(spec: dict):
+    """Load the engine described by the worker spec; returns (model, runtime or None, info dict)."""
+    name = spec["engine"]
+    es = engine(name)
+    device = spec["device"]
+    if es.kind == "zipmoe":
+        _load_fn()  # a clear error when the runtime is missing
+        import zipmoe
+
+        fn = zipmoe.load
+        kwargs = {}
+        for k, v in RUNTIME_OPTIONS.get(name, {}).items():
+            kwargs[k] = {"full": int(spec["budget"])} if v == "__full_only__" else v
+        plan = spec.get("plan") if name == "zipmoe" else None
+        path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]
+        try:
+            model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)
+        except TypeError as exc:
+            if kwargs and "unexpected keyword" in str(exc):
+                raise UsageError(f"engine {name!r}: zipmoe.load does not accept {', '.join(kwargs)} yet ({exc})") from None
+            raise
+        return model, getattr(model, "zipmoe", None), {"path": str(path), "options": {k: str(v) for k, v in kwargs.items()}, "plan": plan}
+
+    import transformers
+
+    source = spec["source"]
+    import json
+    from pathlib import Path
+
+    config = json.loads(Path(source, "config.json").read_text())
+    cls = _auto_class(config)
+    kw = {_torch_dtype_kw(transformers): "auto"}
+    if name == "accelerate":
+        kw.update(device_map="auto", max_memory=hf_max_memory(spec["budget"], device), offload_folder=spec["offload_folder"])
+        # keep accelerate's state dict offload off: it would put the whole state dict on disk first
+    else:
+        kw.update(device_map={"": device})
+    info = {"path": str(source), "kwargs": {k: str(v) for k, v in kw.items()}}
+    try:
+        model = cls.from_pretrained(source, experts_implementation="eager", **kw)
+        info["experts_implementation"] = "eager"
+    except (TypeError, ValueError) as exc:
+        if "experts_implementation" not in str(exc):
+            raise
+        model = cls.from_pretrained(source, **kw)
+        info["experts_implementation"] = "default (this transformers has no experts_implementation)"
+    model.eval()
+    if name == "accelerate":
+        dm = getattr(model, "hf_device_map", {}) or {}
+        placed: dict[str, int] = {}
+        for v in dm.values():
+            placed[str(v)] = placed.get(str(v), 0) + 1
+        info["device_map_summary"] = placed
+    return model, None, info

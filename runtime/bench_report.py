@@ -1,0 +1,280 @@
+"""Numbers and presentation for `zipmoe bench`: summaries, ratios, the I/O floor, table, plot.
+
+Input: the records the workers wrote (one per run, see runtime/bench_worker.py), grouped by
+(engine, budget, batch, new tokens). Output:
+
+- :func:`summarize`: median / min / max over runs of TTFT, TPOT, throughput, end-to-end
+  latency, bytes read per output token, peak RSS; and the **I/O floor**: the bytes that had to
+  be read per output token during decoding divided by the measured disk bandwidth (the
+  fastest a run that misses its cache could go). ``tpot_over_floor`` = TPOT / floor.
+- :func:`ratios`: for each zipmoe engine against each baseline at the same budget, batch and
+  token count: ``tpot_x`` = baseline TPOT / engine TPOT ("x times shorter"), ``throughput_x``
+  = engine throughput / baseline throughput, ``ttft_x``. The resident baseline has no budget
+  and is compared at every budget.
+- :func:`token_check`: every engine's greedy tokens against the reference (resident when run,
+  else the first engine), over the common prefix (a baseline stopped by the time limit makes
+  fewer tokens).
+- :func:`render_table` (rich) and :func:`plot` (matplotlib, optional: a clear message when it
+  is not installed).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from zipmoe.errors import UsageError
+
+ZIPMOE_ENGINES = ("zipmoe", "zipmoe-pools", "zipmoe-basic")
+BASELINE_ORDER = ("accelerate", "uncompressed", "resident")
+ENGINE_ORDER = ("zipmoe", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "resident")
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s", "tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "peak_rss_run_bytes", "floor_tpot_s", "tpot_over_floor")
+
+
+def stats(values) -> dict | None:
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def bytes_per_token(run: dict) -> float | None:
+    """Bytes read per output token while decoding: the runtime's counters when it has them
+    (exactly what it fetched), else what the kernel charged the process (/proc/self/io)."""
+    n = (run.get("generated") or 0) - 1
+    if n <= 0:
+        return None
+    b = run.get("decode_bytes_read_engine")
+    if b is None:
+        b = run.get("decode_bytes_read_io")
+    if b is None:
+        return None
+    return b / n
+
+
+def io_floor_tpot(bytes_per_tok: float | None, disk_bw: float | None) -> float | None:
+    """The I/O floor of time per output token: bytes that had to be read / disk bandwidth."""
+    if bytes_per_tok is None or not disk_bw or disk_bw <= 0:
+        return None
+    return bytes_per_tok / disk_bw
+
+
+def _key(run: dict) -> tuple:
+    return (run["engine"], run.get("budget"), int(run["batch"]), int(run["new_tokens"]))
+
+
+def enrich(run: dict, disk_bw: float | None) -> dict:
+    r = dict(run)
+    r["bytes_per_token"] = bytes_per_token(run)
+    r["floor_tpot_s"] = io_floor_tpot(r["bytes_per_token"], disk_bw)
+    if r["floor_tpot_s"] and r.get("tpot_s"):
+        r["tpot_over_floor"] = r["tpot_s"] / r["floor_tpot_s"]
+    else:
+        r["tpot_over_floor"] = None
+    return r
+
+
+def _hits(runs: list[dict]) -> dict | None:
+    """Hits per pool summed over runs, when the runtime's counters carry a ``hits`` mapping."""
+    total: dict = defaultdict(float)
+    found = False
+    for r in runs:
+        c = r.get("counters")
+        h = c.get("hits") if isinstance(c, dict) else None
+        if isinstance(h, dict):
+            for k, v in h.items():
+                if isinstance(v, (int, float)):
+                    total[k] += v
+                    found = True
+    return dict(total) if found else None
+
+
+def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
+    """One row per (engine, budget, batch, new tokens) with median/min/max of every metric."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for run in runs:
+        groups[_key(run)].append(enrich(run, disk_bw))
+    rows = []
+    for key, rs in groups.items():
+        engine, budget, batch, new_tokens = key
+        row = {"engine": engine, "budget": budget, "batch": batch, "new_tokens": new_tokens, "runs": len(rs),
+               "generated": min(r.get("generated") or 0 for r in rs),
+               "stopped_by_time_limit": any(r.get("stopped_by_time_limit") for r in rs),
+               "cold_mode": sorted({str(r.get("cold_mode")) for r in rs})}
+        for m in METRICS:
+            row[m] = stats(r.get(m) for r in rs)
+        row["hits"] = _hits(rs)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
+    return rows
+
+
+def _order(engine: str) -> int:
+    return ENGINE_ORDER.index(engine) if engine in ENGINE_ORDER else len(ENGINE_ORDER)
+
+
+def _med(row: dict | None, metric: str) -> float | None:
+    if row is None or row.get(metric) is None:
+        return None
+    return row[metric]["median"]
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """zipmoe engines against each baseline at the same (budget, batch, new tokens)."""
+    index = {(r["engine"], r["budget"], r["batch"], r["new_tokens"]): r for r in rows}
+    resident = {(r["batch"], r["new_tokens"]): r for r in rows if r["engine"] == "resident"}
+    out = []
+    for r in rows:
+        if r["engine"] not in ZIPMOE_ENGINES:
+            continue
+        for base in BASELINE_ORDER:
+            b = resident.get((r["batch"], r["new_tokens"])) if base == "resident" else index.get((base, r["budget"], r["batch"], r["new_tokens"]))
+            if b is None:
+                continue
+            out.append({
+                "engine": r["engine"], "baseline": base, "budget": r["budget"], "batch": r["batch"], "new_tokens": r["new_tokens"],
+                "tpot_x": _ratio(_med(b, "tpot_s"), _med(r, "tpot_s")),
+                "ttft_x": _ratio(_med(b, "ttft_s"), _med(r, "ttft_s")),
+                "throughput_x": _ratio(_med(r, "tokens_per_s"), _med(b, "tokens_per_s")),
+            })
+    return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def token_check(runs: list[dict]) -> dict:
+    """Do all engines produce the same greedy tokens? Compared per (batch, new tokens) case and
+    row, over the common prefix, against the reference engine (resident, else the first)."""
+    by_case: dict[tuple, dict[tuple, list]] = defaultdict(dict)
+    for r in runs:
+        if r.get("tokens") is None:
+            continue
+        by_case[(r["batch"], r["new_tokens"], r.get("case"))].setdefault((r["engine"], r.get("budget")), r["tokens"])
+    mismatches = []
+    compared = 0
+    for case, per_engine in by_case.items():
+        if len(per_engine) < 2:
+            continue
+        engines = sorted(per_engine, key=lambda e: (e[0] != "resident", _order(e[0]), e[1] or 0))
+        ref_key = engines[0]
+        ref = per_engine[ref_key]
+        for other in engines[1:]:
+            toks = per_engine[other]
+            compared += 1
+            for row, (a, b) in enumerate(zip(ref, toks)):
+                n = min(len(a), len(b))
+                if a[:n] != b[:n]:
+                    first = next(i for i in range(n) if a[i] != b[i])
+                    mismatches.append({"batch": case[0], "new_tokens": case[1], "row": row, "reference": f"{ref_key[0]}@{ref_key[1]}",
+                                       "engine": f"{other[0]}@{other[1]}", "first_difference_at": first})
+                    break
+    if compared == 0:
+        message = "tokens not compared (fewer than two engines ran a case)"
+    elif mismatches:
+        m = mismatches[0]
+        message = f"tokens DIFFER: {len(mismatches)} engine/case pairs, e.g. {m['engine']} vs {m['reference']} at batch {m['batch']} row {m['row']} token {m['first_difference_at']}"
+    else:
+        message = f"all engines gave the same greedy tokens ({compared} engine/case comparisons, common prefix)"
+    return {"same": compared > 0 and not mismatches, "compared": compared, "mismatches": mismatches, "message": message}
+
+
+# ----------------------------------------------------------------------------- presentation
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "–"
+    if v >= 1:
+        return f"{v:.2f} s"
+    return f"{v * 1000:.1f} ms"
+
+
+def _fmt_x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def _fmt_budget(b) -> str:
+    if b is None:
+        return "none"
+    from zipmoe.units import format_size
+
+    return format_size(b).replace(".00 ", " ")
+
+
+def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench"):
+    """The rich table: one line per engine/budget/batch/tokens, ratios against the baselines."""
+    from rich.table import Table
+
+    rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"]): x for x in rats}
+    bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
+    t = Table(title=title, show_lines=False)
+    for col in ("engine", "budget", "batch", "tokens", "TTFT", "TPOT median [min–max]", "tok/s", "MiB read/tok", "floor", "TPOT/floor", "peak RSS"):
+        t.add_column(col, justify="left" if col in ("engine",) else "right")
+    for b in bases:
+        t.add_column(f"TPOT vs {b}", justify="right")
+    for r in rows:
+        tp = r.get("tpot_s")
+        tpot = "–" if tp is None else f"{_fmt_s(tp['median'])} [{_fmt_s(tp['min'])}–{_fmt_s(tp['max'])}]"
+        bpt = _med(r, "bytes_per_token")
+        rss = _med(r, "peak_rss_run_bytes")
+        cells = [
+            r["engine"], _fmt_budget(r["budget"]), str(r["batch"]),
+            f"{r['generated']}/{r['new_tokens']}" + ("*" if r.get("stopped_by_time_limit") else ""),
+            _fmt_s(_med(r, "ttft_s")), tpot,
+            "–" if _med(r, "tokens_per_s") is None else f"{_med(r, 'tokens_per_s'):.2f}",
+            "–" if bpt is None else f"{bpt / 2**20:.1f}",
+            _fmt_s(_med(r, "floor_tpot_s")), _fmt_x(_med(r, "tpot_over_floor")),
+            "–" if rss is None else _fmt_budget(rss),
+        ]
+        for b in bases:
+            x = rindex.get((r["engine"], b, r["budget"], r["batch"], r["new_tokens"]))
+            cells.append(_fmt_x(x["tpot_x"]) if x else "")
+        t.add_row(*cells)
+    if console is not None:
+        console.print(t)
+    return t
+
+
+def plot(rows: list[dict], path: str) -> str:
+    """TPOT (median) by budget, one line per engine, one panel per (batch, new tokens).
+
+    Raises :class:`UsageError` when matplotlib is missing (the ``bench`` extra installs it).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'zipmoe[bench]' (the table and --json still work)") from None
+    cases = sorted({(r["batch"], r["new_tokens"]) for r in rows})
+    if not cases:
+        raise UsageError("nothing to plot: no successful runs")
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    for ax, (batch, nt) in zip(axes[0], cases):
+        sub = [r for r in rows if r["batch"] == batch and r["new_tokens"] == nt and _med(r, "tpot_s") is not None]
+        budgets = sorted({r["budget"] for r in sub if r["budget"] is not None})
+        for eng in sorted({r["engine"] for r in sub}, key=_order):
+            pts = sorted((r["budget"], _med(r, "tpot_s")) for r in sub if r["engine"] == eng and r["budget"] is not None)
+            if pts:
+                ax.plot([b / 2**30 for b, _ in pts], [v for _, v in pts], marker="o", label=eng)
+            elif budgets:  # resident: no budget, a horizontal line
+                v = next(_med(r, "tpot_s") for r in sub if r["engine"] == eng)
+                ax.axhline(v, linestyle="--", color="grey", label=f"{eng} (no budget)")
+        floor = sorted((r["budget"], _med(r, "floor_tpot_s")) for r in sub if r["engine"] == "zipmoe" and _med(r, "floor_tpot_s"))
+        if floor:
+            ax.plot([b / 2**30 for b, _ in floor], [v for _, v in floor], linestyle=":", color="black", label="I/O floor (zipmoe)")
+        ax.set_xlabel("budget (GiB)")
+        ax.set_ylabel("time per output token (s)")
+        ax.set_yscale("log")
+        ax.set_title(f"batch {batch}, {nt} new tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,384 @@
+"""One engine's process in `zipmoe bench`: load, generate greedily, measure, report JSON.
+
+Run as ``python -m zipmoe.runtime.bench_worker`` with the spec (JSON) on stdin. It joins the
+memory cgroup the parent made (``ZIPMOE_BENCH_CGROUP``) before importing torch, loads the
+engine (runtime/bench_engines.py), then for every case (batch, new tokens) and run:
+
+- cold runs empty the page cache first (runtime/bench_cold.py; the mode is recorded);
+- ``model.generate`` with greedy decoding and a fixed number of new tokens (EOS suppressed
+  with ``min_new_tokens``), a streamer stamps the time of every token and snapshots the bytes
+  read (``/proc/self/io`` ``read_bytes`` and the engine's counters) at the first token, so that
+  prefill and decode are measured apart;
+- a stopping criterion ends a run early once ``time_limit_s`` has passed and at least
+  ``min_tokens`` were generated: a baseline needing seconds per token makes fewer tokens
+  (the comparison is per token);
+- a sampler thread records the peak RSS (every 10 ms) next to ``ru_maxrss``.
+
+Each finished run is appended as one JSON line to ``spec["result_path"]`` (kept if the process
+is killed later, e.g. by the cgroup's OOM killer) and reported on stderr as ``@@progress``;
+the final document goes to stdout as the last line. Metric names: ``ttft_s`` (prompt in → first
+token out), ``tpot_s`` (mean time between later tokens), ``e2e_s``, ``tokens_per_s`` (all rows,
+whole run), ``decode_tokens_per_s``, ``bytes_read_io`` / ``decode_bytes_read_io`` (disk reads
+of this process), ``bytes_read_engine`` (runtime counters, zipmoe engines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+
+from .bench_cgroup import join_from_env
+
+
+def read_io() -> dict:
+    """``/proc/self/io`` as a dict (read_bytes: bytes this process caused to be fetched from storage)."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                out[k.strip()] = int(v)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def ru_maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+class RssSampler:
+    """Peak RSS by sampling; ``reset()`` starts a new window."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval = interval
+        self.peak = rss_bytes()
+        self.window_peak = self.peak
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            r = rss_bytes()
+            if r > self.peak:
+                self.peak = r
+            if r > self.window_peak:
+                self.window_peak = r
+
+    def reset(self) -> None:
+        self.window_peak = rss_bytes()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=1)
+
+
+def snapshot_counters(runtime) -> dict | None:
+    """The runtime's counters as plain JSON-able data, whatever shape they come in."""
+    if runtime is None:
+        return None
+    c = getattr(runtime, "counters", None)
+    if c is None:
+        return None
+    for meth in ("snapshot", "to_dict", "as_dict", "asdict"):
+        fn = getattr(c, meth, None)
+        if callable(fn):
+            try:
+                return _jsonable(fn())
+            except Exception:
+                pass
+    try:
+        import dataclasses
+
+        if dataclasses.is_dataclass(c):
+            return _jsonable(dataclasses.asdict(c))
+    except Exception:
+        pass
+    if isinstance(c, dict):
+        return _jsonable(c)
+    return _jsonable({k: v for k, v in vars(c).items() if not k.startswith("_")}) if hasattr(c, "__dict__") else None
+
+
+def _jsonable(x, depth: int = 0):
+    if depth > 6:
+        return None
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        if len(x) > 4096:
+            return None
+        return [_jsonable(v, depth + 1) for v in x]
+    try:
+        import numpy as np
+
+        if isinstance(x, np.generic):
+            return x.item()
+        if isinstance(x, np.ndarray) and x.size <= 4096:
+            return x.tolist()
+    except Exception:
+        pass
+    if hasattr(x, "item"):
+        try:
+            return x.item()
+        except Exception:
+            pass
+    if hasattr(x, "__dict__"):
+        return _jsonable({k: v for k, v in vars(x).items() if not k.startswith("_")}, depth + 1)
+    return str(x)
+
+
+BYTES_KEYS = ("bytes_read", "read_bytes", "disk_bytes", "bytes_from_disk", "io_bytes")
+
+
+def counter_bytes(counters) -> int | None:
+    """Bytes read from disk according to the runtime's counters (first matching key, any depth)."""
+    if not isinstance(counters, dict):
+        return None
+    for k in BYTES_KEYS:
+        v = counters.get(k)
+        if isinstance(v, (int, float)):
+            return int(v)
+        if isinstance(v, dict):  # e.g. {"sm": .., "e": ..}
+            nums = [x for x in v.values() if isinstance(x, (int, float))]
+            if nums:
+                return int(sum(nums))
+    for v in counters.values():
+        if isinstance(v, dict):
+            got = counter_bytes(v)
+            if got is not None:
+                return got
+    return None
+
+
+def counter_diff(a, b):
+    """b - a for numeric leaves (counters are cumulative; a run's share is the difference)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: counter_diff(a.get(k), v) for k, v in b.items()}
+    if isinstance(b, bool):
+        return b
+    if isinstance(b, (int, float)) and isinstance(a, (int, float)):
+        return b - a
+    return b
+
+
+def _make_streamer_and_stop(torch, device: str, time_limit_s: float | None, min_tokens: int, on_first_token):
+    from transformers.generation.stopping_criteria import StoppingCriteria
+    from transformers.generation.streamers import BaseStreamer
+
+    cuda = device == "cuda"
+
+    class TimingStreamer(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+            self.prompt_seen = False
+
+        def put(self, value):
+            if not self.prompt_seen:  # generate() first puts the prompt
+                self.prompt_seen = True
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            if len(self.times) == 1:
+                on_first_token()
+
+        def end(self):
+            pass
+
+    class TimeLimit(StoppingCriteria):
+        def __init__(self, streamer):
+            self.streamer = streamer
+            self.start = None
+            self.hit = False
+
+        def __call__(self, input_ids, scores, **kwargs):
+            stop = False
+            if time_limit_s is not None and self.start is not None and len(self.streamer.times) >= min_tokens:
+                stop = (time.perf_counter() - self.start) > time_limit_s
+            self.hit = self.hit or stop
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    s = TimingStreamer()
+    return s, TimeLimit(s)
+
+
+def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler, cold_mode: str | None) -> dict:
+    """One measured generation; returns its record."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    device = spec["device"]
+    dev = model.device if hasattr(model, "device") and str(getattr(model, "device", "meta")) != "meta" else torch.device(device)
+    if spec.get("engine") == "accelerate" and device == "cuda":
+        dev = torch.device("cuda", 0)
+    ids = torch.tensor(case["input_ids"], dtype=torch.long, device=dev)
+    mask = torch.tensor(case["attention_mask"], dtype=torch.long, device=dev)
+    n = int(case["new_tokens"])
+    first: dict = {}
+
+    def on_first_token():
+        first["io"] = read_io().get("read_bytes", 0)
+        first["counters"] = snapshot_counters(runtime)
+
+    streamer, limit = _make_streamer_and_stop(torch, device, spec.get("time_limit_s"), int(spec.get("min_tokens", 2)), on_first_token)
+    gen_kw = dict(
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        num_beams=1,
+        streamer=streamer,
+        stopping_criteria=StoppingCriteriaList([limit]),
+        pad_token_id=int(case.get("pad_token_id", 0)),
+    )
+    for k in ("temperature", "top_p", "top_k"):  # silence "generation flags are not valid" from sampling configs
+        gen_kw[k] = None
+    sampler.reset()
+    io0 = read_io().get("read_bytes", 0)
+    c0 = snapshot_counters(runtime)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    limit.start = t0
+    with torch.inference_mode():
+        out = model.generate(ids, **gen_kw)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    io1 = read_io().get("read_bytes", 0)
+    c1 = snapshot_counters(runtime)
+    times = streamer.times
+    gen = out[:, ids.shape[1]:].tolist()
+    ntok = len(gen[0]) if gen else 0
+    ttft = (times[0] - t0) if times else None
+    tpot = ((times[-1] - times[0]) / (len(times) - 1)) if len(times) >= 2 else None
+    batch = ids.shape[0]
+    e2e = t_end - t0
+    rec = {
+        "batch": batch,
+        "new_tokens": n,
+        "generated": ntok,
+        "stopped_by_time_limit": bool(limit.hit),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "e2e_s": e2e,
+        "tokens_per_s": batch * ntok / e2e if e2e > 0 else None,
+        "decode_tokens_per_s": (batch * (len(times) - 1) / (times[-1] - times[0])) if len(times) >= 2 and times[-1] > times[0] else None,
+        "bytes_read_io": io1 - io0,
+        "decode_bytes_read_io": (io1 - first["io"]) if "io" in first else None,
+        "peak_rss_run_bytes": sampler.window_peak,
+        "cold_mode": cold_mode,
+        "tokens": gen,
+    }
+    if runtime is not None:
+        diff = counter_diff(c0, c1) if c0 is not None else c1
+        rec["counters"] = diff
+        b = counter_bytes(diff)
+        rec["bytes_read_engine"] = b
+        if "counters" in first and first["counters"] is not None:
+            rec["decode_bytes_read_engine"] = counter_bytes(counter_diff(first["counters"], c1))
+    if device == "cuda":
+        rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    return rec
+
+
+def _emit(path: str | None, rec: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def main() -> int:
+    cgroup = join_from_env()  # before torch: everything this process touches is charged
+    spec = json.loads(sys.stdin.read())
+    result_path = spec.get("result_path")
+    # keep stdout for the final JSON: libraries print to fd 1 (C code too)
+    real_stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    doc = {"engine": spec["engine"], "budget": spec.get("budget"), "ok": False, "cgroup": cgroup, "runs": []}
+    sampler = RssSampler()
+    try:
+        import torch
+
+        threads = spec.get("threads")
+        if threads:
+            torch.set_num_threads(int(threads))
+        device = spec["device"]
+        if device == "cuda" and not torch.cuda.is_available():
+            from zipmoe.errors import DeviceError
+
+            raise DeviceError("--device cuda but torch sees no CUDA device")
+        from . import bench_cold, bench_engines
+
+        cold_paths = spec.get("cold_paths") or []
+        if spec.get("cold"):
+            doc["cold_mode_load"] = bench_cold.make_cold(cold_paths, spec.get("allow_drop_caches", True))
+        io0 = read_io().get("read_bytes", 0)
+        t0 = time.perf_counter()
+        model, runtime, info = bench_engines.load_engine(spec)
+        doc["load_s"] = time.perf_counter() - t0
+        doc["load_bytes_read_io"] = read_io().get("read_bytes", 0) - io0
+        doc["load_info"] = info
+        doc["rss_after_load_bytes"] = rss_bytes()
+        total = len(spec["cases"]) * int(spec.get("runs", 1))
+        done = 0
+        for case in spec["cases"]:
+            if spec.get("warmup"):
+                run_case(model, runtime, torch, dict(case, new_tokens=min(2, int(case["new_tokens"]))), spec, sampler, None)
+            for r in range(int(spec.get("runs", 1))):
+                mode = bench_cold.make_cold(cold_paths, spec.get("allow_drop_caches", True)) if spec.get("cold") else "warm"
+                rec = run_case(model, runtime, torch, case, spec, sampler, mode)
+                rec.update(engine=spec["engine"], budget=spec.get("budget"), run=r, case=case.get("id"))
+                doc["runs"].append(rec)
+                _emit(result_path, rec)
+                done += 1
+                sys.stderr.write(f"@@progress {done} {total}\n")
+                sys.stderr.flush()
+        doc["ok"] = True
+    except BaseException as exc:  # report, never hang: the parent decides what it means
+        name = type(exc).__name__
+        from zipmoe.errors import ZipmoeError
+
+        doc["error"] = str(exc).splitlines()[0] if str(exc) else name
+        doc["error_type"] = name
+        doc["user_error"] = isinstance(exc, ZipmoeError)
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+            doc["error_type"] = "MemoryError"
+        if not doc["user_error"]:
+            traceback.print_exc(file=sys.stderr)
+    finally:
+        sampler.stop()
+        doc["peak_rss_sampled_bytes"] = sampler.peak
+        doc["ru_maxrss_bytes"] = ru_maxrss_bytes()
+        try:
+            import torch
+
+            if torch.cuda.is_available() and spec.get("device") == "cuda":
+                doc["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        except Exception:
+            pass
+    real_stdout.write(json.dumps(doc) + "\n")
+    real_stdout.flush()
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
