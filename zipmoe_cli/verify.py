@@ -1,12 +1,32 @@
-"""`zipmoe verify`: placeholder until its issue lands (see docs/architecture.md)."""
+"""`zipmoe verify`: every checksum, every tensor decoded, optionally compared with the source."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
 
 from .app import app
 
 
-@app.command(name="verify", help="(not implemented yet)")
-def verify() -> None:
-    from zipmoe.errors import ZipmoeError
+@app.command(name="verify")
+def verify(
+    file: Path = typer.Argument(..., help="The .zmoe file."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit."),
+    workers: int = typer.Option(0, "--workers", help="Decode threads (default: one per core)."),
+) -> None:
+    """Check a container; exit 0 only when every byte is right."""
+    from rich.console import Console
 
-    raise ZipmoeError("`zipmoe verify` is not implemented yet")
+    from zipmoe.codecs.reader import verify_container
+    from zipmoe.units import format_size
+
+    from .pack import progress_bar
+
+    prog, update = progress_bar("verifying")
+    with prog:
+        rep = verify_container(file, against=against, workers=workers or None, progress=update)
+    tail = f"; identical to {against}" if rep.compared else ""
+    Console().print(f"[bold green]OK[/bold green] {file}: {rep.entries} tensors ({format_size(rep.bytes)}) "
+                    f"and {rep.files} files, all checksums match{tail} ({rep.seconds:.2f} s)")
