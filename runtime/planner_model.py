@@ -1,0 +1,221 @@
+"""The planner's probability model: how many of a token's top-k experts hit each cache pool.
+
+Model. In one sparse layer the experts, sorted by popularity (rank ``r = 0`` hottest; see
+runtime.planner_stats), are the cache *slots*. A token activates ``k`` distinct slots. We model
+the token's choice as **conditional Poisson sampling** (CPS) of size ``k``: slot ``r`` is a
+Bernoulli variable with probability ``q[r]`` (independent), conditioned on exactly ``k`` of them
+being on. The ``q`` are solved for (a fixed point on the log-odds, Chen, Dempster & Liu 1994) so
+that the CPS inclusion probability of every rank is its observed one, ``pi[r] = k * p[r]``.
+
+Pools. A plan gives each pool ``m_pool`` slots per sparse layer; slots are assigned by rank,
+hottest first, in the order ``full -> compressed -> sm_only -> e_only``, the rest are ``none``
+(misses). This is the order the runtime's cache converges to (runtime.cache offers a used
+tensor to the pools best-first and evicts the least frequently used).
+
+Counts. With independent Bernoulli slots, the number of hits in one pool is Poisson-binomial;
+its distribution is a dynamic programme over the pool's slots (``pool_pmf``). Conditioning on
+``k`` hits in all, the count vector ``c = (c_full, c_compressed, c_sm_only, c_e_only, c_none)``
+has the exact CPS probability ``prod_pool PB_pool(c_pool) / P(sum = k)``.
+
+Expected makespan. ``E[T] = sum_c P(c) * simulate(layer_tasks(c))`` with
+runtime.schedule_model (the scheduler's own list schedule, memoised per count vector): no
+closed-form approximation is involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from itertools import combinations
+
+import numpy as np
+
+from .schedule_model import STATES, Costs, makespan_for_counts
+
+__all__ = [
+    "POOL_ORDER", "solve_cps", "cps_inclusion", "pool_pmf", "compositions", "count_distribution",
+    "expected_makespan", "sample_counts", "MakespanTable", "LayerSet", "expected_hits",
+]
+
+POOL_ORDER = ("full", "compressed", "sm_only", "e_only", "none")  # by rank, hottest first
+assert set(POOL_ORDER) == set(STATES)
+
+
+def _pb_prefix(q: np.ndarray, k: int) -> np.ndarray:
+    """f[i, j] = P(exactly j of the first i Bernoullis are on), j <= k."""
+    n = len(q)
+    f = np.zeros((n + 1, k + 1))
+    f[0, 0] = 1.0
+    for i in range(n):
+        f[i + 1] = f[i] * (1 - q[i])
+        f[i + 1, 1:] += f[i, :-1] * q[i]
+    return f
+
+
+def cps_inclusion(q: np.ndarray, k: int) -> np.ndarray:
+    """Inclusion probability of every slot under CPS of size ``k`` with Poisson probabilities ``q``."""
+    q = np.asarray(q, dtype=np.float64)
+    n = len(q)
+    f = _pb_prefix(q, k)
+    g = _pb_prefix(q[::-1], k)[::-1]  # g[i, j] = P(j of slots i.. are on)
+    z = f[n, k]
+    pi = np.empty(n)
+    for i in range(n):
+        # P(k-1 of the others) = sum_j f[i, j] * g[i+1, k-1-j]
+        pi[i] = q[i] * float(np.dot(f[i, :k], g[i + 1, k - 1::-1])) / z
+    return pi
+
+
+def _capped_targets(t: np.ndarray, k: int, cap: float = 1 - 1e-6) -> np.ndarray:
+    """Inclusion targets summing to ``k``, none above ``cap``: excess goes to the others pro rata."""
+    t = np.maximum(np.asarray(t, dtype=np.float64), 1e-12)
+    for _ in range(len(t)):
+        over = t > cap
+        if not over.any():
+            break
+        free = ~over
+        t[over] = cap
+        rest = k - cap * over.sum()
+        t[free] *= rest / t[free].sum()
+    return np.clip(t, 1e-12, cap)
+
+
+def solve_cps(p: Sequence[float], k: int, tol: float = 1e-10, max_iter: int = 2000) -> np.ndarray:
+    """Poisson probabilities ``q`` whose CPS of size ``k`` includes rank ``r`` with ``k * p[r]``.
+
+    ``p`` are selection shares (sum 1). Targets are clipped to ``[1e-12, 1 - 1e-9]`` (a rank
+    chosen by every token is made almost sure).
+    """
+    p = np.asarray(p, dtype=np.float64)
+    n = len(p)
+    if k < 1 or k > n:
+        raise ValueError(f"top_k={k} must be between 1 and the number of experts ({n})")
+    if k == n:
+        return np.full(n, 1 - 1e-12)
+    target = _capped_targets(k * p / p.sum(), k)
+    logit = np.log(target) - np.log1p(-target)
+    for _ in range(max_iter):
+        q = 1 / (1 + np.exp(-logit))
+        pi = cps_inclusion(q, k)
+        err = np.max(np.abs(pi - target))
+        if err < tol:
+            break
+        logit += np.log(target) - np.log(pi)
+    return 1 / (1 + np.exp(-logit))
+
+
+def pool_pmf(q: np.ndarray, k: int) -> np.ndarray:
+    """Poisson-binomial pmf of the number of ``q`` slots that are on, truncated at ``k``."""
+    return _pb_prefix(np.asarray(q, dtype=np.float64), k)[-1]
+
+
+@lru_cache(maxsize=64)
+def compositions(k: int, parts: int = len(POOL_ORDER)) -> np.ndarray:
+    """All vectors of ``parts`` non-negative ints summing to ``k`` (stars and bars), shape [n, parts]."""
+    out = []
+    for bars in combinations(range(k + parts - 1), parts - 1):
+        prev, row = -1, []
+        for b in bars:
+            row.append(b - prev - 1)
+            prev = b
+        row.append(k + parts - 1 - prev - 1)
+        out.append(row)
+    return np.array(out, dtype=np.int64)
+
+
+def _boundaries(slots: dict[str, int], n: int) -> list[tuple[int, int]]:
+    a, out = 0, []
+    for pool in POOL_ORDER[:-1]:
+        m = max(0, int(slots.get(pool, 0)))
+        b = min(n, a + m)
+        out.append((a, b))
+        a = b
+    out.append((a, n))
+    return out
+
+
+def count_distribution(q: np.ndarray, k: int, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(C, P)``: every count vector ``C[i]`` (per POOL_ORDER, summing to ``k``) and its probability."""
+    q = np.asarray(q, dtype=np.float64)
+    comps = compositions(k)
+    prob = np.ones(len(comps))
+    for j, (a, b) in enumerate(_boundaries(slots, len(q))):
+        pmf = pool_pmf(q[a:b], k)
+        prob *= pmf[comps[:, j]]
+    z = prob.sum()
+    return comps, prob / z
+
+
+class MakespanTable:
+    """Simulated layer makespan for every count vector, for one tensor layout, L and costs."""
+
+    def __init__(self, k: int, tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs) -> None:
+        self.k, self.tensors, self.L, self.costs = k, tuple(map(tuple, tensors)), L, costs
+        self.comps = compositions(k)
+        self.values = np.array([
+            makespan_for_counts(dict(zip(POOL_ORDER, map(int, c))), self.tensors, L, costs) for c in self.comps
+        ])
+
+
+def expected_makespan(q: np.ndarray, k: int, slots: dict[str, int], table: MakespanTable) -> float:
+    """E[layer makespan] under CPS for a plan's slots (per POOL_ORDER)."""
+    _, prob = count_distribution(q, k, slots)
+    return float(prob @ table.values)
+
+
+def expected_hits(q: np.ndarray, k: int, slots: dict[str, int]) -> dict[str, float]:
+    """Expected chosen experts per state, per token (sums to ``k``)."""
+    comps, prob = count_distribution(q, k, slots)
+    return {pool: float(prob @ comps[:, j]) for j, pool in enumerate(POOL_ORDER)}
+
+
+def sample_counts(q: np.ndarray, k: int, slots: dict[str, int], n: int, rng: np.random.Generator) -> np.ndarray:
+    """Monte Carlo: ``n`` CPS draws (rejection: Poisson samples of size != k are redrawn), count vectors."""
+    q = np.asarray(q, dtype=np.float64)
+    bounds = _boundaries(slots, len(q))
+    out = np.zeros((0, len(POOL_ORDER)), dtype=np.int64)
+    while len(out) < n:
+        on = rng.random((max(1024, 4 * (n - len(out))), len(q))) < q
+        on = on[on.sum(axis=1) == k]
+        counts = np.stack([on[:, a:b].sum(axis=1) for a, b in bounds], axis=1)
+        out = np.concatenate([out, counts])
+    return out[:n]
+
+
+class LayerSet:
+    """All sparse layers at once: ``Q[l]`` are layer ``l``'s CPS Poisson probabilities by rank.
+
+    :meth:`expected` vectorises :func:`expected_makespan` over the layers (the planner's search
+    evaluates many plans).
+    """
+
+    def __init__(self, Q: np.ndarray, k: int, table: MakespanTable) -> None:
+        self.Q = np.atleast_2d(np.asarray(Q, dtype=np.float64))
+        self.k, self.table = k, table
+        self.comps = compositions(k)
+
+    def _pmfs(self, a: int, b: int) -> np.ndarray:
+        nl, k = self.Q.shape[0], self.k
+        f = np.zeros((nl, k + 1))
+        f[:, 0] = 1.0
+        for i in range(a, b):
+            qi = self.Q[:, i:i + 1]
+            g = f * (1 - qi)
+            g[:, 1:] += f[:, :-1] * qi
+            f = g
+        return f
+
+    def distribution(self, slots: dict[str, int]) -> np.ndarray:
+        """P[l, i]: probability of count vector ``comps[i]`` in layer ``l``."""
+        prob = np.ones((self.Q.shape[0], len(self.comps)))
+        for j, (a, b) in enumerate(_boundaries(slots, self.Q.shape[1])):
+            prob *= self._pmfs(a, b)[:, self.comps[:, j]]
+        return prob / prob.sum(axis=1, keepdims=True)
+
+    def expected(self, slots: dict[str, int]) -> np.ndarray:
+        """Expected makespan of every layer (seconds), shape [layers]."""
+        return self.distribution(slots) @ self.table.values
+
+    def hits(self, slots: dict[str, int]) -> np.ndarray:
+        """Expected chosen experts per state (POOL_ORDER), per layer: shape [layers, 5]."""
+        return self.distribution(slots) @ self.comps

@@ -1,0 +1,131 @@
+"""Activation statistics for the planner: expert popularity by rank, per sparse layer.
+
+Input: activation traces (runtime.trace, JSON lines: a header ``{"container_id",
+"num_layers", "num_experts", "top_k", ...}``, then one line per forward step ``{"layers":
+{"<layer>": [[expert ids of token 0], ...]}}``).
+
+Per sparse layer we count how often each expert was chosen, then *sort the counts*: the
+planner needs "how often is the hottest expert chosen, the second hottest, ...", not which id
+is hot, so that the statistics carry over to prompts where other experts are hot. ``p[r]`` is
+the share of all selections in the layer that went to the rank-``r`` expert (``sum(p) == 1``);
+a token chooses ``top_k`` experts, so rank ``r`` is chosen by a token with probability
+``top_k * p[r]`` (at most 1).
+
+Smoothing: ``alpha`` pseudo-selections (default 0.5) are added to every expert before sorting,
+so that a short trace does not claim that an expert is never used.
+
+Layers the trace never shows get the average rank profile of the layers it does show. With no
+trace at all the statistics are the uniform prior (``p[r] = 1 / num_experts``), and
+``ActivationStats.source == "uniform prior"`` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from zipmoe.errors import ModelError, UsageError
+
+__all__ = ["ActivationStats", "from_traces", "uniform", "rank_distribution"]
+
+
+@dataclass
+class ActivationStats:
+    container_id: str | None
+    num_experts: int
+    top_k: int
+    layers: list[int]  # sparse layer numbers
+    rank_p: dict[int, np.ndarray]  # layer -> p[r], sorted descending, sums to 1
+    source: str  # "trace" | "uniform prior"
+    tokens: int = 0  # tokens seen (rows routed), summed over files, per layer max
+    files: list[str] = field(default_factory=list)
+    steps: int = 0
+
+    def summary(self) -> dict:
+        """What plan.json records about where the statistics came from."""
+        mean = np.mean([self.rank_p[l] for l in self.layers], axis=0) if self.layers else np.zeros(0)
+        k = self.top_k
+        top = float(np.sum(mean[:k])) if len(mean) else 0.0
+        return {
+            "source": self.source,
+            "files": self.files,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "sparse_layers": len(self.layers),
+            # share of selections going to the top-k ranks (uniform: k / num_experts)
+            "top_k_share": round(top, 6),
+            "mean_rank_p": [round(float(x), 6) for x in mean],
+        }
+
+
+def rank_distribution(counts: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+    """Sorted (hottest first), smoothed, normalised selection shares from per-expert counts."""
+    c = np.asarray(counts, dtype=np.float64) + float(alpha)
+    c = np.sort(c)[::-1]
+    s = c.sum()
+    return c / s if s > 0 else np.full(len(c), 1.0 / max(1, len(c)))
+
+
+def uniform(num_experts: int, top_k: int, layers: list[int], container_id: str | None = None) -> ActivationStats:
+    """The uniform prior: every rank equally popular (used when there is no trace)."""
+    p = np.full(num_experts, 1.0 / num_experts)
+    return ActivationStats(container_id, num_experts, top_k, list(layers), {l: p.copy() for l in layers}, "uniform prior")
+
+
+def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int, layers: list[int],
+                alpha: float = 0.5) -> ActivationStats:
+    """Rank statistics from one or more trace files of the model with ``container_id``.
+
+    Raises :class:`ModelError` for a trace recorded on another model (container id, expert
+    count or top-k disagree) and :class:`UsageError` for a file that is not a trace.
+    """
+    from .trace import read_trace
+
+    counts = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}
+    tokens = {l: 0 for l in layers}
+    files, steps = [], 0
+    for path in paths:
+        path = Path(path)
+        header, lines = read_trace(path, container_id=container_id)
+        if header.get("num_experts") not in (None, num_experts):
+            raise ModelError(f"trace {path} has {header.get('num_experts')} experts per layer, the container {num_experts}")
+        if header.get("top_k") not in (None, top_k):
+            raise ModelError(f"trace {path} was recorded with top_k={header.get('top_k')}, the container has {top_k}")
+        files.append(str(path))
+        for step in lines:
+            if not isinstance(step, dict):
+                raise UsageError(f"{path} is not a zipmoe trace (a step is not an object)")
+            steps += 1
+            for key, rows in step.items():
+                try:
+                    layer = int(key)
+                except ValueError:
+                    raise UsageError(f"{path} is not a zipmoe trace (layer key {key!r})") from None
+                if layer not in counts:
+                    raise ModelError(f"trace {path} has layer {layer}, which is not a sparse layer of this model")
+                c = counts[layer]
+                for ids in rows:
+                    if not ids:
+                        continue  # dropped by a capacity limit
+                    try:
+                        a = np.asarray(ids, dtype=np.int64)
+                    except (TypeError, ValueError):
+                        raise UsageError(f"{path} is not a zipmoe trace (expert ids {ids!r})") from None
+                    if a.min() < 0 or a.max() >= num_experts:
+                        raise ModelError(f"trace {path} names expert {int(a.max())}, the model has {num_experts} per layer")
+                    np.add.at(c, a, 1)
+                    tokens[layer] += 1
+    seen = [l for l in layers if counts[l].sum() > 0]
+    if not seen:
+        raise UsageError(f"no routed tokens in {', '.join(files) or 'the traces'}")
+    rank_p = {l: rank_distribution(counts[l], alpha) for l in seen}
+    mean = np.mean([rank_p[l] for l in seen], axis=0)
+    mean /= mean.sum()
+    for l in layers:
+        rank_p.setdefault(l, mean.copy())
+    return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, "trace",
+                           tokens=max(tokens.values()), files=files, steps=steps)
