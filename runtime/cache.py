@@ -1,0 +1,197 @@
+"""The expert cache: four pools sharing the budget, one state per expert tensor.
+
+Pools (DESIGN.md, "The runtime"):
+
+========== ======================================== ======================================
+pool       holds                                    bytes per expert tensor
+========== ======================================== ======================================
+full       the bf16 compute tensor, on the device   ``2 * numel``
+compressed its E chunks and SM chunk as stored      ``e_bytes + sm_bytes`` (about 66%)
+sm_only    its SM chunk                             ``sm_bytes`` (50%)
+e_only     its E chunks                             ``e_bytes`` (about 16%)
+========== ======================================== ======================================
+
+Every expert tensor is in at most one pool (its *state*; none = a miss). Each pool has a byte
+capacity; the sum of the capacities is what the budget leaves after the dense weights and the
+working set (see :mod:`zipmoe.runtime.core`).
+
+Policy. Each tensor has an activation count (incremented once per layer call that uses it)
+and a last-use clock. After a tensor has been used, it is *offered* to the pools above its
+current state, best first (full, compressed, sm_only, e_only); a pool takes it when it has
+room, or can make room by evicting only tensors of lower priority (smaller count; at equal
+count, older last use) that are not pinned by the layer being computed. Evicted tensors are
+dropped (their state becomes none). So each pool converges to the most frequently used
+tensors it can hold, and recent use breaks ties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+__all__ = ["Pool", "ExpertCache", "POOLS"]
+
+POOLS = ("full", "compressed", "sm_only", "e_only")
+
+
+class Pool:
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = int(max(0, capacity))
+        self.used = 0
+        self.items: dict[int, tuple[int, object]] = {}  # uid -> (nbytes, data)
+        self._heap: list = []  # (count, last, uid) lazily invalidated
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class ExpertCache:
+    def __init__(self, capacities: dict, on_change=None) -> None:
+        self.pools = {name: Pool(name, capacities.get(name, 0)) for name in POOLS}
+        self.state: dict[int, str] = {}
+        self.count: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self._clock = itertools.count(1)
+        self.pinned: set[int] = set()
+        self._on_change = on_change
+
+    # --- queries
+    def state_of(self, uid: int) -> str | None:
+        return self.state.get(uid)
+
+    def get(self, uid: int):
+        st = self.state.get(uid)
+        return None if st is None else self.pools[st].items[uid][1]
+
+    def used_bytes(self) -> int:
+        return sum(p.used for p in self.pools.values())
+
+    def capacity_bytes(self) -> int:
+        return sum(p.capacity for p in self.pools.values())
+
+    def summary(self) -> dict:
+        return {n: {"capacity": p.capacity, "used": p.used, "tensors": len(p)} for n, p in self.pools.items()}
+
+    # --- updates
+    def touch(self, uid: int) -> None:
+        self.count[uid] = self.count.get(uid, 0) + 1
+        self.last[uid] = next(self._clock)
+        st = self.state.get(uid)
+        if st is not None:
+            heapq.heappush(self.pools[st]._heap, (self.count[uid], self.last[uid], uid))
+
+    def _prio(self, uid: int) -> tuple[int, int]:
+        return (self.count.get(uid, 0), self.last.get(uid, 0))
+
+    def can_take(self, pool_name: str, uid: int, nbytes: int) -> bool:
+        pool = self.pools[pool_name]
+        if nbytes > pool.capacity:
+            return False
+        free = pool.capacity - pool.used
+        if free >= nbytes:
+            return True
+        need = nbytes - free
+        mine = self._prio(uid)
+        for victim, vbytes in self._victims(pool, mine):
+            need -= vbytes
+            if need <= 0:
+                return True
+        return False
+
+    def _victims(self, pool: Pool, below: tuple[int, int]):
+        """Evictable tensors of ``pool`` with priority below ``below``, lowest first (no change)."""
+        live = []
+        seen = set()
+        for cnt, last, uid in sorted(pool._heap) if len(pool._heap) < 64 else self._heap_iter(pool):
+            if uid in seen or uid not in pool.items or (cnt, last) != self._prio(uid):
+                continue
+            seen.add(uid)
+            if (cnt, last) >= below:
+                break
+            if uid in self.pinned:
+                continue
+            live.append(uid)
+            yield uid, pool.items[uid][0]
+
+    @staticmethod
+    def _heap_iter(pool: Pool):
+        # a copy popped in order: O(k log n) for the k victims we look at
+        h = list(pool._heap)
+        while h:
+            yield heapq.heappop(h)
+
+    def offer(self, uid: int, forms: dict) -> str | None:
+        """Place ``uid`` in the best pool above its state that takes it.
+
+        ``forms[pool] = (nbytes, data or zero-argument callable making it)`` for the pools this
+        tensor can enter now. Returns the new state (or the old one when no pool took it).
+        """
+        cur = self.state.get(uid)
+        for name in POOLS:
+            if cur == name:
+                return cur
+            if name not in forms:
+                continue
+            nbytes, data = forms[name]
+            if not self.can_take(name, uid, nbytes):
+                continue
+            pool = self.pools[name]
+            need = nbytes - (pool.capacity - pool.used)
+            if need > 0:
+                for victim, vbytes in list(self._victims(pool, self._prio(uid))):
+                    self._remove(victim)
+                    need -= vbytes
+                    if need <= 0:
+                        break
+            if cur is not None:
+                self._remove(uid)
+            if callable(data):
+                data = data()
+            pool.items[uid] = (nbytes, data)
+            pool.used += nbytes
+            self.state[uid] = name
+            heapq.heappush(pool._heap, (*self._prio(uid), uid))
+            self._compact(pool)
+            if self._on_change is not None:
+                self._on_change()
+            return name
+        return cur
+
+    def put(self, uid: int, pool_name: str, nbytes: int, data) -> bool:
+        """Place without competing (warm start): only if it fits in the free space."""
+        pool = self.pools[pool_name]
+        if self.state.get(uid) is not None or pool.capacity - pool.used < nbytes:
+            return False
+        pool.items[uid] = (nbytes, data)
+        pool.used += nbytes
+        self.state[uid] = pool_name
+        heapq.heappush(pool._heap, (*self._prio(uid), uid))
+        return True
+
+    def _remove(self, uid: int) -> None:
+        st = self.state.pop(uid, None)
+        if st is None:
+            return
+        pool = self.pools[st]
+        nbytes, _ = pool.items.pop(uid)
+        pool.used -= nbytes
+
+    def drop(self, uid: int) -> None:
+        self._remove(uid)
+
+    def clear(self) -> None:
+        for uid in list(self.state):
+            self._remove(uid)
+        for p in self.pools.values():
+            p._heap.clear()
+
+    @staticmethod
+    def _compact(pool: Pool) -> None:
+        if len(pool._heap) > 4 * len(pool.items) + 64:
+            live = {}
+            for cnt, last, uid in pool._heap:
+                if uid in pool.items and (uid not in live or (cnt, last) > live[uid]):
+                    live[uid] = (cnt, last)
+            pool._heap = [(c, l, u) for u, (c, l) in live.items()]
+            heapq.heapify(pool._heap)

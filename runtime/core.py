@@ -1,0 +1,240 @@
+"""The runtime object behind a loaded model (``model.zipmoe``): budget, pools, pipeline, counters.
+
+Budget accounting (bytes; "weights held by the runtime"):
+
+    budget >= dense + working + sum(pool capacities)
+
+* ``dense``: every non-expert parameter and buffer loaded from the container, as resident
+  tensors (tied weights once).
+* ``working``: what fetching experts needs at most at once: ``window`` experts in flight, each
+  its bf16 compute tensors plus the aligned read buffers of its chunks, plus one decode scratch
+  buffer per worker. ``window`` is ``workers + 2`` experts when the budget allows, fewer (down
+  to 1) when it does not.
+* the pools: what is left, split by the plan (``plan["pools"]``) or by the default split.
+
+The smallest budget accepted is ``dense + working(window=1)``; below it :class:`BudgetError`
+says that number. ``held_bytes()`` is the live sum (dense + pool bytes in use + in-flight
+working bytes) and ``counters.peak_held_bytes`` its maximum: tests check it never exceeds the
+budget.
+
+Default split (no plan): when every expert fits as full bf16 tensors, everything goes to the
+``full`` pool; otherwise 60% ``full`` and 40% ``compressed`` (a compressed expert costs about
+2/3 of a full one and a decompression instead of a read). ``zipmoe plan`` computes better
+splits from traces and measured costs.
+
+On CUDA the full pool lives in GPU memory and the other pools in pinned host memory; the
+budget counts both.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zipmoe.errors import BudgetError, ModelError, UsageError
+from zipmoe.units import format_size
+
+from .cache import POOLS, ExpertCache
+from .counters import Counters
+from .scheduler import LayerScheduler
+from .store import ALIGN, ExpertStore
+from .trace import TraceWriter
+
+__all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
+
+DEFAULT_SPLIT = {"full": 0.6, "compressed": 0.4, "sm_only": 0.0, "e_only": 0.0}
+
+
+def working_bytes_of(t) -> int:
+    """Working bytes of one expert tensor in flight: its bf16 buffer and its read buffers."""
+    return t.full_bytes + t.staging_bytes()
+
+
+def read_plan(plan, container_id: str) -> dict:
+    """``plan`` is a path or a dict; returns ``{"pools": {...bytes}}`` checked against the container."""
+    if isinstance(plan, (str, Path)):
+        p = Path(plan)
+        if not p.is_file():
+            raise UsageError(f"plan file {p} does not exist (make one with `zipmoe plan FILE.zmoe --budget SIZE -o {p}`)")
+        try:
+            plan = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"plan file {p} is not valid JSON: {exc}") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("pools"), dict):
+        raise UsageError("plan has no \"pools\" object ({\"full\": bytes, \"compressed\": ..., \"sm_only\": ..., \"e_only\": ...})")
+    cid = plan.get("container_id")
+    if cid != container_id:
+        raise ModelError(f"the plan was made for another model (container {cid}, this one is {container_id}); run `zipmoe plan` on this file")
+    pools = {}
+    for name in POOLS:
+        v = plan["pools"].get(name, 0)
+        if isinstance(v, dict):  # tolerate {"bytes": n, "slots": k}
+            v = v.get("bytes", 0)
+        if not isinstance(v, (int, float)) or v < 0:
+            raise UsageError(f"plan pool {name!r} must be a byte count, got {v!r}")
+        pools[name] = int(v)
+    return {"pools": pools, "raw": plan}
+
+
+class Runtime:
+    """Serves the expert layers of one model from one container."""
+
+    def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
+                 sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
+                 budget: int, plan=None, workers: int = 1, direct_io: bool = True) -> None:
+        self.path = str(path)
+        self.container_id = container_id
+        self.meta = meta
+        self.family = family
+        self.device = torch.device(device)
+        self.expert_tensors = expert_tensors  # {(layer, expert): [ExpertTensor]}
+        self.sparse_layers = list(sparse_layers)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_layers = num_layers
+        self.dense_bytes = int(dense_bytes)
+        self.budget = int(budget)
+        self.workers = max(1, int(workers))
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._trace: TraceWriter | None = None
+
+        all_t = [t for ts in expert_tensors.values() for t in ts]
+        self.expert_bytes_full = sum(t.full_bytes for t in all_t)
+        self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
+        per_expert = [sum(working_bytes_of(t) for t in ts) for ts in expert_tensors.values()] or [0]
+        self.expert_working = max(per_expert)
+        max_seg = max((s.numel for t in all_t for s in t.segments), default=0)
+        self.scratch_bytes = self.workers * 2 * max_seg  # exp (+ sm if not raw) scratch per worker
+        self.min_budget = self.dense_bytes + self.scratch_bytes + self.expert_working
+        if self.budget < self.min_budget:
+            raise BudgetError(
+                f"budget {format_size(self.budget)} is too small: this model needs at least "
+                f"{format_size(self.min_budget)} ({self.min_budget} bytes: dense weights {format_size(self.dense_bytes)} "
+                f"+ one expert in flight {format_size(self.expert_working + self.scratch_bytes)})"
+            )
+        left = self.budget - self.dense_bytes - self.scratch_bytes
+        want = self.workers + 2
+        self.window = max(1, min(want, left // max(1, self.expert_working)))
+        pool_bytes = left - self.window * self.expert_working
+        if plan is not None:
+            self.plan = read_plan(plan, container_id)
+            caps = dict(self.plan["pools"])
+            total = sum(caps.values())
+            if total > pool_bytes:  # a plan for a larger budget: scale down, keep its shape
+                caps = {k: int(v * pool_bytes // total) for k, v in caps.items()}
+            self.split_source = "plan"
+        else:
+            self.plan = None
+            if pool_bytes >= self.expert_bytes_full:
+                caps = {"full": pool_bytes, "compressed": 0, "sm_only": 0, "e_only": 0}
+            else:
+                caps = {k: int(pool_bytes * f) for k, f in DEFAULT_SPLIT.items()}
+            self.split_source = "default"
+        self.pools = caps
+        self.cache = ExpertCache(caps)
+        self.store = ExpertStore(self.path, self.counters, direct=direct_io)
+        self.scheduler = LayerScheduler(self, self.workers)
+        self.counters.note_held(self.held_bytes())
+
+    # ------------------------------------------------------------------ accounting
+    def working_bytes(self, t) -> int:
+        return working_bytes_of(t)
+
+    def held_bytes(self) -> int:
+        return self.dense_bytes + self.scratch_bytes + self.cache.used_bytes() + self._inflight
+
+    def hold(self, n: int) -> None:
+        with self._lock:
+            self._inflight += n
+        self.counters.note_held(self.held_bytes())
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._inflight -= n
+        self.counters.note_held(self.held_bytes())
+
+    def describe(self) -> dict:
+        return {
+            "budget": self.budget,
+            "min_budget": self.min_budget,
+            "dense_bytes": self.dense_bytes,
+            "expert_bytes_full": self.expert_bytes_full,
+            "expert_bytes_stored": self.expert_bytes_stored,
+            "window": self.window,
+            "working_bytes": self.window * self.expert_working + self.scratch_bytes,
+            "pools": dict(self.pools),
+            "split": self.split_source,
+            "workers": self.workers,
+            "device": str(self.device),
+            "direct_io": self.store.direct,
+        }
+
+    # ------------------------------------------------------------------ tracing
+    def start_trace(self, path) -> None:
+        self.stop_trace()
+        self._trace = TraceWriter(path, {
+            "container_id": self.container_id, "num_layers": self.num_layers,
+            "num_experts": self.num_experts, "top_k": self.top_k, "layers": self.sparse_layers,
+        })
+
+    def stop_trace(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+    def end_step(self) -> None:
+        if self._trace is not None:
+            self._trace.end_step()
+
+    # ------------------------------------------------------------------ serving
+    def run_layer(self, layer, experts: list, compute, trace_ids=None) -> None:
+        t0 = time.perf_counter()
+        if self._trace is not None and trace_ids is not None:
+            self._trace.record(layer, trace_ids() if callable(trace_ids) else trace_ids)
+        if experts:
+            self.scheduler.run(layer, experts, compute)
+        self.counters.add_layer(layer, time.perf_counter() - t0, len(experts))
+
+    def warm(self) -> int:
+        """Fill the full pool with experts in (layer, expert) order while it has room; returns how many."""
+        n = 0
+        for key in sorted(self.expert_tensors):
+            for t in self.expert_tensors[key]:
+                if self.cache.state_of(t.uid) is not None:
+                    continue
+                if self.cache.pools["full"].capacity - self.cache.pools["full"].used < t.full_bytes:
+                    return n
+                from zipmoe.codecs.exponent import DecodeContext
+
+                from .store import decode_into, slice_of
+
+                bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
+                e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
+                sm_parts = [slice_of(bufs, s.sm_range) for s in t.segments]
+                host = torch.empty(t.shape, dtype=torch.bfloat16)
+                decode_into(t, e_parts, sm_parts, host.view(torch.int16).numpy().view(np.uint16).reshape(-1),
+                            DecodeContext(), True, True)
+                out = host if self.device.type == "cpu" else host.to(self.device)
+                self.cache.put(t.uid, "full", t.full_bytes, out)
+                n += 1
+        self.counters.note_held(self.held_bytes())
+        return n
+
+    def reset_cache(self) -> None:
+        self.cache.clear()
+
+    def close(self) -> None:
+        self.stop_trace()
+        self.scheduler.close()
+        self.store.close()
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

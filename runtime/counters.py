@@ -1,0 +1,125 @@
+"""What the runtime counts: the numbers that `chat`, `plan` and `bench` read.
+
+One :class:`Counters` per runtime (``model.zipmoe.counters``). Everything is cumulative since
+load (or the last :meth:`Counters.reset`); take a :meth:`Counters.snapshot` before and after a
+piece of work and subtract with :func:`delta` to measure it.
+
+Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
+
+* ``bytes_read``: bytes of chunks read from the container (what the index says was needed)
+* ``bytes_read_disk``: bytes actually transferred by the reads (4096-aligned for O_DIRECT)
+* ``reads``: number of read calls (positional reads of chunk ranges)
+* ``hits``: per state of an expert tensor when a layer needed it: ``full``, ``compressed``,
+  ``sm_only``, ``e_only`` and ``none`` (a miss). One count per *compute tensor* (for the fused
+  families an expert has two: ``gate_up`` and ``down``), per layer call.
+* ``expert_calls``: experts computed (one per chosen expert per layer call)
+* ``layer_calls``: sparse-layer calls (one per sparse layer per forward)
+* ``time_s``: seconds spent per stage, summed over the threads that did it: ``read`` (I/O
+  thread), ``decode`` (decompression, workers), ``merge`` (E+SM -> bf16), ``compute`` (expert
+  forward, serving thread), ``wait`` (serving thread blocked on the pipeline)
+* ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
+  the wall time from the router's choice to the layer's output
+* ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
+  cache pools + in-flight working buffers), to compare with the budget
+* ``checksum_failures``: chunks whose checksum did not match (each one raised an error)
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+__all__ = ["Counters", "delta", "STATES", "STAGES"]
+
+STATES = ("full", "compressed", "sm_only", "e_only", "none")
+STAGES = ("read", "decode", "merge", "compute", "wait")
+
+
+class Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes_read = 0
+        self.bytes_read_disk = 0
+        self.reads = 0
+        self.hits = {s: 0 for s in STATES}
+        self.expert_calls = 0
+        self.layer_calls = 0
+        self.time_s = {s: 0.0 for s in STAGES}
+        self.layer_makespan_s: dict[str, list] = {}
+        self.peak_held_bytes = getattr(self, "peak_held_bytes", 0)
+        self.checksum_failures = 0
+
+    # --- updates (thread-safe where called from several threads)
+    def add_read(self, payload: int, disk: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes_read += payload
+            self.bytes_read_disk += disk
+            self.reads += 1
+            self.time_s["read"] += seconds
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.time_s[stage] += seconds
+
+    def add_hit(self, state: str | None, n: int = 1) -> None:
+        self.hits[state or "none"] += n
+
+    def add_layer(self, layer, seconds: float, experts: int) -> None:
+        key = str(layer)
+        rec = self.layer_makespan_s.get(key)
+        if rec is None:
+            rec = self.layer_makespan_s[key] = [0.0, 0, 0.0]
+        rec[0] += seconds
+        rec[1] += 1
+        rec[2] = max(rec[2], seconds)
+        self.layer_calls += 1
+        self.expert_calls += experts
+
+    def note_held(self, held: int) -> None:
+        if held > self.peak_held_bytes:
+            self.peak_held_bytes = held
+
+    # --- reading
+    def hit_rate(self) -> float:
+        """Fraction of expert-tensor accesses that found the tensor whole (the ``full`` pool)."""
+        total = sum(self.hits.values())
+        return self.hits["full"] / total if total else 0.0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "bytes_read": self.bytes_read,
+                "bytes_read_disk": self.bytes_read_disk,
+                "reads": self.reads,
+                "hits": dict(self.hits),
+                "expert_calls": self.expert_calls,
+                "layer_calls": self.layer_calls,
+                "time_s": dict(self.time_s),
+                "layer_makespan_s": copy.deepcopy(self.layer_makespan_s),
+                "peak_held_bytes": self.peak_held_bytes,
+                "checksum_failures": self.checksum_failures,
+            }
+
+
+def delta(after: dict, before: dict) -> dict:
+    """``after - before`` of two snapshots (peak_held_bytes is taken from ``after``)."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if k == "peak_held_bytes":
+            out[k] = v
+        elif k == "layer_makespan_s":
+            d = {}
+            for layer, (s, c, m) in v.items():
+                bs, bc, _ = b.get(layer, [0.0, 0, 0.0])
+                if c - bc:
+                    d[layer] = [s - bs, c - bc, m]
+            out[k] = d
+        elif isinstance(v, dict):
+            out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
+        else:
+            out[k] = v - (b or 0)
+    return out

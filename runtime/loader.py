@@ -1,0 +1,342 @@
+"""``zipmoe.load``: a transformers model whose experts are served from a .zmoe container.
+
+Steps (each a function below):
+
+1. resolve the device (``auto`` -> CUDA when available; ``cuda`` without one -> DeviceError);
+2. open the container, recognise the family (ModelError listing the supported ones);
+3. write the embedded files (config.json, tokenizer files, generation config) to a temporary
+   folder and read config, tokenizer and generation config from it with transformers;
+4. build the model skeleton with every *parameter* on the meta device (buffers, such as rotary
+   ``inv_freq``, are computed for real in ``__init__``): :func:`params_on_meta`; fused families
+   are built with ``experts_implementation="zipmoe"`` (see :mod:`.experts_hook`);
+5. decode the dense tensors from the container, rename them the way transformers' own loader
+   does (its conversion mapping, e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``), cast them
+   to the dtype transformers would give them, and assign them (``load_state_dict(assign=True)``);
+   tie weights; every parameter that is not an expert weight must now be real (ModelError
+   otherwise). Expert parameters stay on meta and are never touched;
+6. build the :class:`~zipmoe.runtime.core.Runtime` under the budget and attach it:
+   ``model.zipmoe``, and ``module._zipmoe_runtime`` / ``_zipmoe_layer`` on each experts module
+   (SwitchTransformers' experts modules are replaced by :class:`.experts_hook.SwitchExperts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from zipmoe.errors import ContainerError, DeviceError, ModelError, UsageError
+from zipmoe.units import parse_size
+
+from .experts_hook import IMPLEMENTATION, SwitchExperts, register
+from .families import Family, family_for
+
+__all__ = ["load", "resolve_device", "params_on_meta", "default_threads"]
+
+_NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+       "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
+_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+def resolve_device(device) -> torch.device:
+    name = str(device or "auto").lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda was asked for, but no CUDA device is available (use --device cpu)")
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise UsageError(f"unknown device {device!r} (use auto, cpu or cuda)")
+
+
+def default_threads(workers: int) -> int:
+    """Torch threads for the serving process: the cores the decode workers leave, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - workers)
+
+
+def default_workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // 2)
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Every parameter registered inside this block lands on the meta device; buffers stay real."""
+    orig = nn.Module.register_parameter
+
+    def register_parameter(self, name, param):
+        orig(self, name, param)
+        if param is not None and param.device.type != "meta":
+            p = self._parameters[name]
+            kw = dict(p.__dict__)
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            self._parameters[name].__dict__.update(kw)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def _tensor_of(reader, entry) -> torch.Tensor:
+    raw = reader.decode_entry(entry)
+    if entry.dtype not in _TORCH:
+        raise ModelError(f"dense tensor {entry.name} has dtype {entry.dtype}, which the runtime cannot load")
+    arr = raw.view(_NP[entry.dtype]).reshape(tuple(entry.shape))
+    t = torch.from_numpy(arr)
+    if entry.dtype == "BF16":
+        t = t.view(torch.bfloat16)
+    return t
+
+
+def _renamer(model):
+    """checkpoint name -> model state_dict name, with transformers' own conversion mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    except Exception:  # pragma: no cover - older/newer transformers
+        renamings, converters, rename_source_key = [], [], None
+    keys = set(model.state_dict().keys())
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def rename(name: str) -> str:
+        if name in keys:
+            return name
+        if rename_source_key is not None:
+            try:
+                new, _ = rename_source_key(name, renamings, converters, prefix, {k: True for k in keys})
+                if new in keys:
+                    return new
+            except Exception:  # pragma: no cover
+                pass
+        if prefix and f"{prefix}.{name}" in keys:
+            return f"{prefix}.{name}"
+        return name
+
+    return rename
+
+
+def _fp32_keep(model) -> list[str]:
+    keep = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        v = getattr(model, attr, None)
+        if v:
+            keep.extend(v)
+    return keep
+
+
+def _experts_modules(model, family: Family, config: dict):
+    """[(qualified name, module, layer number)] of the sparse layers' experts modules."""
+    from zipmoe.codecs.naming import classify
+
+    found = []
+    for name, mod in model.named_modules():
+        if family.kind == "fused":
+            ok = name.endswith("experts") and hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj")
+        else:
+            ok = type(mod).__name__ == "SwitchTransformersExperts"
+        if not ok:
+            continue
+        probe = f"{name}.0.down_proj.weight" if family.kind == "fused" else f"{name}.expert_0.wo.weight"
+        role = classify(probe, (1, 1), config)
+        if role.layer is None:
+            raise ModelError(f"cannot tell the layer number of {name}")
+        found.append((name, mod, role.layer))
+    if not found:
+        raise ModelError(f"found no experts modules in the {family.name} model")
+    return found
+
+
+def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
+         direct_io: bool = True, warm: bool = False, trace=None):
+    """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
+
+    ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
+    (dense weights, cache pools, in-flight buffers). ``device``: ``auto`` | ``cpu`` | ``cuda``.
+    ``plan``: a plan.json path (or dict) from ``zipmoe plan``: pool sizes. ``workers``: decode
+    threads (default: half the cores, at least 1). ``threads``: when given,
+    ``torch.set_num_threads(threads)`` (the CLI always passes one; the library leaves the
+    caller's setting alone otherwise). ``direct_io``: read experts with O_DIRECT where possible.
+    ``warm``: fill the full pool before returning. ``trace``: start an activation trace file.
+    The tokenizer is None when the container has no tokenizer files.
+    """
+    from zipmoe.codecs.reader import ContainerReader
+
+    budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
+    dev = resolve_device(device)
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if threads is not None:
+        if int(threads) < 1:
+            raise UsageError("--threads must be at least 1")
+        torch.set_num_threads(int(threads))
+    path = Path(path)
+    if not path.exists():
+        raise ContainerError(f"{path}: no such file")
+    reader = ContainerReader(path)
+    try:
+        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace)
+    finally:
+        reader.close()
+
+
+def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace):
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
+
+    cfg_dict = reader.config
+    if not cfg_dict:
+        raise ModelError(f"{path} has no config.json: it cannot be served")
+    family = family_for(cfg_dict, reader.meta)
+    register()
+
+    with tempfile.TemporaryDirectory(prefix="zipmoe-") as tmp:
+        for name in reader.files:
+            Path(tmp, name).write_bytes(reader.read_file(name))
+        try:
+            config = AutoConfig.from_pretrained(tmp)
+        except Exception as exc:
+            raise ModelError(f"transformers cannot read this model's config.json: {exc}") from None
+        tokenizer = None
+        if any(n.startswith(("tokenizer", "vocab", "spiece", "merges")) for n in reader.files):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(tmp)
+            except Exception as exc:  # a model without a usable tokenizer still serves ids
+                tokenizer = None
+                transformers.logging.get_logger(__name__).warning(f"tokenizer not loaded: {exc}")
+        gen_config = None
+        if "generation_config.json" in reader.files:
+            try:
+                gen_config = GenerationConfig.from_pretrained(tmp)
+            except Exception:
+                gen_config = None
+
+    auto = AutoModelForSeq2SeqLM if family.auto == "seq2seq" else AutoModelForCausalLM
+    kwargs = {"dtype": torch.bfloat16}
+    if family.kind == "fused":
+        kwargs["experts_implementation"] = IMPLEMENTATION
+    with params_on_meta():
+        model = auto.from_config(config, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    if gen_config is not None:
+        model.generation_config = gen_config
+
+    # --- dense weights
+    rename = _renamer(model)
+    sd_meta = model.state_dict(keep_vars=True)
+    keep32 = _fp32_keep(model)
+    experts = _experts_modules(model, family, cfg_dict)
+    expert_prefixes = tuple(f"{name}." for name, _, _ in experts)
+    to_load = []
+    for entry in reader.dense_entries():
+        key = rename(entry.name)
+        target = sd_meta.get(key)
+        if target is None:
+            continue  # e.g. rotary inv_freq saved by old exporters; transformers ignores these too
+        to_load.append((entry, key, target))
+    dense_bytes = 0
+    seen = set()
+    for entry, key, target in to_load:
+        dtype = target.dtype
+        if any(k in key for k in keep32) and dtype.is_floating_point:
+            dtype = torch.float32
+        if key not in seen:
+            dense_bytes += target.numel() * torch.empty((), dtype=dtype).element_size()
+            seen.add(key)
+
+    # --- expert tensors and the budget check, before decoding anything large
+    from .core import Runtime
+    from .store import build_expert_tensors
+
+    expected = {}
+    for name, mod, layer in experts:
+        if family.kind == "fused":
+            expected[layer] = {"gate_up": tuple(mod.gate_up_proj.shape[1:]), "down": tuple(mod.down_proj.shape[1:])}
+        else:
+            e0 = mod["expert_0"]
+            expected[layer] = {"up": tuple(e0.wi.weight.shape), "down": tuple(e0.wo.weight.shape)}
+    expert_tensors = build_expert_tensors(reader.entries, family, expected)
+    num_experts = experts[0][1].num_experts if hasattr(experts[0][1], "num_experts") else len(experts[0][1])
+    for name, mod, layer in experts:
+        for e in range(num_experts):
+            if (layer, e) not in expert_tensors:
+                raise ModelError(f"the container has no weights for layer {layer} expert {e}")
+    meta_model = reader.meta.get("model") or {}
+    rt = Runtime(
+        path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
+        expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
+        top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
+        num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
+        budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io,
+    )
+    try:
+        state = {}
+        for entry, key, target in to_load:
+            t = _tensor_of(reader, entry)
+            dtype = target.dtype
+            if any(k in key for k in keep32) and dtype.is_floating_point:
+                dtype = torch.float32
+            if tuple(t.shape) != tuple(target.shape):
+                raise ModelError(f"tensor {entry.name} has shape {list(t.shape)}; the model expects {list(target.shape)}")
+            state[key] = t if (t.dtype == dtype and dev.type == "cpu") else t.to(device=dev, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        del state
+        model.tie_weights()
+        # buffers computed in __init__ go to the device too
+        if dev.type != "cpu":
+            for mod in model.modules():
+                for bname, buf in list(mod._buffers.items()):
+                    if buf is not None and buf.device != dev:
+                        mod._buffers[bname] = buf.to(dev)
+        # attach the runtime
+        for name, mod, layer in experts:
+            if family.kind == "fused":
+                mod._zipmoe_runtime = rt
+                mod._zipmoe_layer = layer
+            else:
+                parent_name, _, child = name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                e0 = mod["expert_0"]
+                setattr(parent, child, SwitchExperts(rt, layer, len(mod), e0.wi.weight.shape[1], e0.act, e0.dropout.p))
+        missing = [
+            n for n, p in model.named_parameters(remove_duplicate=False)
+            if p.device.type == "meta" and not (family.kind == "fused" and n.startswith(expert_prefixes))
+        ]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ModelError(f"the container lacks dense weights the model needs: {', '.join(missing[:3])}{more}")
+        model.zipmoe = rt
+        model.register_forward_hook(lambda *_: rt.end_step())
+        if warm:
+            rt.warm()
+        if trace is not None:
+            rt.start_trace(trace)
+    except BaseException:
+        rt.close()
+        raise
+    return model, tokenizer
+
+
+def _top_k(cfg: dict) -> int:
+    for k in ("num_experts_per_tok", "top_k", "moe_topk"):
+        v = cfg.get(k)
+        if isinstance(v, int):
+            return v
+    return 1

@@ -1,0 +1,367 @@
+"""Per sparse layer: fetch the chosen experts' weights and compute them while the rest load.
+
+Once the router of a layer has chosen, :meth:`LayerScheduler.run` gets the chosen experts (in
+ascending id, the eager order) and a ``compute(expert, weights)`` callback. Each chosen
+expert tensor's state in the cache decides its task graph (docs/architecture.md,
+``schedule_model``):
+
+========== ======================================== ========
+state      tasks                                    type
+========== ======================================== ========
+full       compute                                  –
+compressed decompress E, merge, compute             II
+sm_only    read E, decompress E, merge, compute     II
+e_only     read SM, decompress E, merge, compute    I
+none       read SM+E, decompress E, merge, compute  I
+========== ======================================== ========
+
+Resources: one I/O thread (FIFO), ``workers`` decode threads (FIFO; each decompresses with its
+own DecodeContext into reusable scratch and merges with numba, both without the GIL), and the
+serving thread (the device), which computes. Order (the list schedule of the paper): reads are
+queued Type-I first, so the disk starts at once and stays busy; decompressions that need no
+read (``compressed``) are queued on the workers immediately, filling them while the first read
+runs; an expert computes as soon as all its tensors are whole (fully cached experts first, then
+in completion order), while the others load. The number of experts in flight is bounded by
+the *window* the budget leaves room for (working buffers are counted in the budget).
+
+Bit-identity: experts are computed in whatever order they become ready, but their outputs are
+accumulated by the caller in ascending expert order, as transformers' eager loop does; the
+per-expert products do not depend on when they were computed.
+
+On CUDA the workers decode and merge into a (pinned) host buffer and the serving thread copies
+it to the device; with the Triton merge available (``zipmoe.kernels.merge``), the workers only
+decompress and the serving thread copies E and SM bytes to the device and merges there,
+straight into the tensor the expert computes with.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from zipmoe.errors import ContainerError
+
+from .store import ExpertTensor, decode_exp_into, decode_into, slice_of
+
+__all__ = ["LayerScheduler", "issue_order", "expert_type"]
+
+_NEEDS_SM_READ = ("none", "e_only")
+
+
+def expert_type(states: list) -> str:
+    """``full`` when every tensor is whole, ``I`` when one must read its SM chunk, else ``II``."""
+    if all(s == "full" for s in states):
+        return "full"
+    if any(s is None or s in _NEEDS_SM_READ for s in states):
+        return "I"
+    return "II"
+
+
+def issue_order(experts: list, states: dict) -> list:
+    """The order in which experts that need work enter the pipeline.
+
+    The first Type-I expert (its read starts the disk), then the Type-II experts that need no
+    read at all (compressed: they fill the workers during that read), then the other Type-I
+    experts, then Type-II experts that read their E chunks (sm_only). Within a class, ascending id.
+    """
+    t1, t2_noread, t2_read = [], [], []
+    for e in experts:
+        st = states[e]
+        kind = expert_type(st)
+        if kind == "full":
+            continue
+        if kind == "I":
+            t1.append(e)
+        elif any(s == "sm_only" for s in st):
+            t2_read.append(e)
+        else:
+            t2_noread.append(e)
+    return t1[:1] + t2_noread + t1[1:] + t2_read
+
+
+class _Fetch:
+    """One expert tensor being made whole."""
+
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host")
+
+    def __init__(self, tensor: ExpertTensor, state):
+        self.tensor = tensor
+        self.state = state
+        self.out = None
+        self.e_parts = None
+        self.sm_parts = None
+        self.host = None
+        self.exp_host = None
+        self.sm_host = None
+
+
+class LayerScheduler:
+    def __init__(self, runtime, workers: int) -> None:
+        self.rt = runtime
+        self.workers = max(1, int(workers))
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zipmoe-io")
+        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="zipmoe-decode")
+        self._local = threading.local()
+        self.device = runtime.device
+        self.cuda = self.device.type == "cuda"
+        self.device_merge = False
+        if self.cuda:
+            try:
+                from zipmoe import kernels
+
+                self.device_merge = bool(getattr(kernels, "triton_available", lambda: False)()) and hasattr(kernels, "merge")
+            except Exception:  # pragma: no cover - depends on the install
+                self.device_merge = False
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ worker side
+    def _ctx(self):
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            from zipmoe.codecs.exponent import DecodeContext
+
+            ctx = self._local.ctx = DecodeContext()
+        return ctx
+
+    def _read(self, f: _Fetch, need_e: bool, need_sm: bool):
+        t = f.tensor
+        bufs = [(off, self.rt.store.read(off, ln)) for off, ln in t.ranges(need_e, need_sm)]
+        if need_e:
+            f.e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
+        if need_sm:
+            f.sm_parts = [slice_of(bufs, s.sm_range) for s in t.segments]
+
+    def _decode(self, f: _Fetch, verify_e: bool, verify_sm: bool):
+        t = f.tensor
+        ctx = self._ctx()
+        timer = self.rt.counters.add_time
+        if self.cuda and self.device_merge:
+            decode_exp_into(t, f.e_parts, f.exp_host, ctx, verify_e)
+            for seg, sm in zip(t.segments, f.sm_parts):
+                if verify_sm:
+                    from .store import verify
+
+                    verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
+                f.sm_host[seg.dst : seg.dst + seg.numel] = sm
+            return
+        target = f.host if self.cuda else f.out
+        out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        decode_into(t, f.e_parts, f.sm_parts, out_u16, ctx, verify_e, verify_sm, timer)
+
+    def _job(self, f: _Fetch, done):
+        """The whole task chain of one tensor, run on the worker (decode) after an optional read."""
+        try:
+            st = f.state
+            verify_e = verify_sm = False
+            if st in ("none", None, "e_only", "sm_only"):
+                raise AssertionError("read jobs go through _read_then_decode")  # pragma: no cover
+            t0 = time.perf_counter()
+            self._decode(f, verify_e, verify_sm)
+            if self.cuda and self.device_merge:
+                self.rt.counters.add_time("decode", time.perf_counter() - t0)
+            done(f, None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
+            done(f, exc)
+
+    def _read_then_decode(self, f: _Fetch, done):
+        try:
+            st = f.state
+            need_e = st in (None, "none", "sm_only")
+            need_sm = st in (None, "none", "e_only")
+            self._read(f, need_e, need_sm)
+        except BaseException as exc:  # noqa: BLE001
+            done(f, exc)
+            return
+
+        def decode():
+            try:
+                t0 = time.perf_counter()
+                self._decode(f, need_e, need_sm)
+                if self.cuda and self.device_merge:
+                    self.rt.counters.add_time("decode", time.perf_counter() - t0)
+                done(f, None)
+            except BaseException as exc:  # noqa: BLE001
+                done(f, exc)
+
+        self.pool.submit(decode)
+
+    # ------------------------------------------------------------------ serving side
+    def run(self, layer, experts: list, compute) -> None:
+        """Make the weights of ``experts`` (ascending ids) whole and call ``compute(e, weights)``."""
+        rt = self.rt
+        cache = rt.cache
+        tensors = {e: rt.expert_tensors[(layer, e)] for e in experts}
+        states = {}
+        for e in experts:
+            st = []
+            for t in tensors[e]:
+                cache.touch(t.uid)
+                s = cache.state_of(t.uid)
+                rt.counters.add_hit(s)
+                st.append(s)
+                cache.pinned.add(t.uid)
+            states[e] = st
+        try:
+            self._run(layer, experts, tensors, states, compute)
+        finally:
+            cache.pinned.clear()
+
+    def _run(self, layer, experts, tensors, states, compute) -> None:
+        rt = self.rt
+        cache = rt.cache
+        counters = rt.counters
+        order = deque(issue_order(experts, states))
+        done_q: queue.Queue = queue.Queue()
+        remaining: dict[int, int] = {}
+        fetches: dict[int, list] = {}
+        reserved: dict[int, int] = {}
+        errors: list = []
+        inflight = 0
+
+        def done(f, exc):
+            done_q.put((f, exc))
+
+        def issue(e):
+            fl = []
+            need = 0
+            for t, st in zip(tensors[e], states[e]):
+                if st == "full":
+                    fl.append(None)
+                    continue
+                f = _Fetch(t, st)
+                if st in ("compressed", "sm_only"):
+                    data = cache.get(t.uid)
+                    if st == "compressed":
+                        f.e_parts, f.sm_parts = data
+                    else:
+                        f.sm_parts = data
+                elif st == "e_only":
+                    f.e_parts = cache.get(t.uid)
+                need += rt.working_bytes(t)
+                fl.append(f)
+            rt.hold(need)
+            reserved[e] = need
+            for f in fl:
+                if f is None:
+                    continue
+                t = f.tensor
+                f.out = torch.empty(t.shape, dtype=torch.bfloat16, device=rt.device)
+                if self.cuda:
+                    if self.device_merge:
+                        f.exp_host = _host_u8(t.numel)
+                        f.sm_host = _host_u8(t.numel)
+                    else:
+                        f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=True)
+            fetches[e] = fl
+            remaining[e] = sum(1 for f in fl if f is not None)
+            for f in fl:
+                if f is None:
+                    continue
+                if f.state in ("compressed",):
+                    self.pool.submit(self._job, f, done)
+                else:
+                    self.io.submit(self._read_then_decode, f, done)
+
+        def weights_of(e):
+            ws = []
+            for t, f in zip(tensors[e], fetches.get(e, [None] * len(tensors[e]))):
+                ws.append(cache.get(t.uid) if f is None else f.out)
+            return ws
+
+        W = rt.window
+        while order and inflight < W:
+            issue(order.popleft())
+            inflight += 1
+        # experts whose weights are all whole compute first, while the pipeline loads the rest
+        for e in experts:
+            if expert_type(states[e]) == "full":
+                t0 = time.perf_counter()
+                compute(e, weights_of(e))
+                counters.add_time("compute", time.perf_counter() - t0)
+        while inflight:
+            t0 = time.perf_counter()
+            f, exc = done_q.get()
+            counters.add_time("wait", time.perf_counter() - t0)
+            e = f.tensor.expert
+            if exc is not None:
+                errors.append(exc)
+            remaining[e] -= 1
+            if remaining[e]:
+                continue
+            inflight -= 1
+            if not errors:
+                if self.cuda:
+                    self._to_device(fetches[e])
+                t0 = time.perf_counter()
+                compute(e, weights_of(e))
+                counters.add_time("compute", time.perf_counter() - t0)
+                self._admit(fetches[e])
+            rt.release(reserved.pop(e))
+            fetches.pop(e, None)
+            if not errors:
+                while order and inflight < W:
+                    issue(order.popleft())
+                    inflight += 1
+        if errors:
+            exc = errors[0]
+            if isinstance(exc, ContainerError):
+                counters.checksum_failures += 1
+                raise type(exc)(str(exc)) from None
+            raise exc
+
+    def _to_device(self, fl) -> None:
+        for f in fl:
+            if f is None:
+                continue
+            t0 = time.perf_counter()
+            if self.device_merge:
+                from zipmoe import kernels
+
+                exp_d = torch.from_numpy(f.exp_host).to(self.device, non_blocking=True)
+                sm_d = torch.from_numpy(f.sm_host).to(self.device, non_blocking=True)
+                kernels.merge(exp_d, sm_d, f.out.view(-1))
+                self.rt.counters.add_time("merge", time.perf_counter() - t0)
+            else:
+                f.out.copy_(f.host, non_blocking=False)
+                f.host = None
+
+    def _admit(self, fl) -> None:
+        cache = self.rt.cache
+        for f in fl:
+            if f is None:
+                continue
+            t = f.tensor
+            forms = {"full": (t.full_bytes, f.out)}
+            if f.e_parts is not None and f.sm_parts is not None:
+                e_parts, sm_parts = f.e_parts, f.sm_parts
+                forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
+            if f.sm_parts is not None:
+                forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: _own(s))
+            if f.e_parts is not None:
+                forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
+            cache.offer(t.uid, forms)
+            f.out = None
+
+
+def _own(parts: list) -> list:
+    """Exact-size copies (read buffers are views into larger aligned buffers)."""
+    out = []
+    for p in parts:
+        if isinstance(p, np.ndarray) and p.base is None and p.flags.owndata:
+            out.append(p)
+        else:
+            out.append(np.array(p, dtype=np.uint8, copy=True))
+    return out
+
+
+def _host_u8(n: int) -> np.ndarray:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
