@@ -7,10 +7,12 @@ subprocess with the variable set. The GPU test is marked ``gpu`` and skips witho
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,11 +55,28 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install 'zipmoe[triton]')")
-def test_triton_kernels_interpreted():
+def test_triton_kernels_interpreted(tmp_path):
+    """Kernels exact under TRITON_INTERPRET=1; then benchmarks/gpu_merge.py --small in the same
+    process (importing torch + triton dominates the time, so it is paid once)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_merge.py"
+    out = tmp_path / "r.json"
+    code = _SCRIPT + textwrap.dedent(
+        f"""
+        import runpy, sys
+        sys.argv = [{str(script)!r}, "--small", "--json", {str(out)!r}]
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        """
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "TRITON-INTERPRET-OK" in r.stdout
+    assert "exactness: all checks passed" in r.stdout and "RESULT exact=yes" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["exact"] is True and doc["rows"]
 
 
 @pytest.mark.gpu
@@ -97,3 +116,4 @@ def test_mixed_devices_rejected():
     with pytest.raises(ValueError):
         kernels.merge(torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8, device="cuda"),
                       torch.empty(4, dtype=torch.bfloat16, device="cuda"))
+
