@@ -1,12 +1,226 @@
-"""`zipmoe plan`: placeholder until its issue lands (see docs/architecture.md)."""
+"""`zipmoe plan`: size the four cache pools for a memory budget (docs/planner.md)."""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import typer
+
 from .app import app
 
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how a binary search works.",
+    "List three uses of a paperclip.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+]
 
-@app.command(name="plan", help="(not implemented yet)")
-def plan() -> None:
-    from zipmoe.errors import ZipmoeError
 
-    raise ZipmoeError("`zipmoe plan` is not implemented yet")
+def default_workers() -> int:
+    """runtime.loader.default_workers (half the cores, at least 1), without importing torch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // 2)
+
+
+def _device(name: str) -> str:
+    from zipmoe.errors import DeviceError, UsageError
+
+    name = name.lower()
+    if name not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"unknown device {name!r} (use auto, cpu or cuda)")
+    if name == "cpu" or (name == "auto" and not os.path.exists("/proc/driver/nvidia/version")):
+        return "cpu"  # without an NVIDIA driver there is no CUDA: skip importing torch
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise DeviceError("--device cuda: no CUDA device is available here (use --device cpu)")
+    return name
+
+
+def _calibrate(path: Path, prompts_arg: str, budget: int, device: str, workers: int, max_new_tokens: int = 32) -> Path:
+    """Run the model on prompts through the runtime with a trace on; returns the trace path."""
+    from zipmoe.errors import UsageError, ZipmoeError
+
+    if prompts_arg == "builtin":
+        prompts = BUILTIN_PROMPTS
+    else:
+        p = Path(prompts_arg)
+        try:
+            prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except OSError as exc:
+            raise UsageError(f"cannot read prompts {p}: {exc.strerror or exc} (one prompt per line, or `builtin`)") from None
+        if not prompts:
+            raise UsageError(f"{p} has no prompts (one per line)")
+    try:
+        import torch
+
+        import zipmoe
+    except ImportError as exc:  # pragma: no cover
+        raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
+    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
+    fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
+    os.close(fd)
+    rt = model.zipmoe
+    rt.start_trace(trace)
+    try:
+        with torch.inference_mode():
+            for prompt in prompts:
+                if getattr(tok, "chat_template", None):
+                    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  return_tensors="pt", return_dict=True)["input_ids"]
+                else:
+                    ids = tok(prompt, return_tensors="pt")["input_ids"]
+                ids = ids.to(model.device)
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    finally:
+        rt.stop_trace()
+    return Path(trace)
+
+
+def _table(plan: dict, console) -> None:
+    from rich.table import Table
+
+    from zipmoe.units import format_size
+
+    rows = [("chosen", plan)] + list(plan["alternatives"].items())
+    best = plan["expected_tpot_s"]
+    t = Table(title="plans compared (predicted per output token)", title_justify="left")
+    t.add_column("plan")
+    t.add_column("slots/layer\nF·C·S·E", justify="right")
+    t.add_column("pools", justify="right")
+    t.add_column("experts/token/layer\nF·C·S·E·miss", justify="right")
+    t.add_column("layer", justify="right")
+    t.add_column("TPOT", justify="right")
+    t.add_column("vs\nchosen", justify="right")
+    for name, p in rows:
+        slots = p["slots"]["per_layer"] if name == "chosen" else p["slots"]
+        h = p["expected_hits"]
+        style = "bold green" if name == "chosen" else None
+        t.add_row(name, "·".join(str(slots[s]) for s in ("full", "compressed", "sm_only", "e_only")),
+                  format_size(sum(p["pools"].values())),
+                  "·".join(f"{h[s]:.2g}" for s in ("full", "compressed", "sm_only", "e_only", "none")),
+                  f"{1e3 * p['expected_layer_makespan_s']:.3f}ms", f"{1e3 * p['expected_tpot_s']:.2f}ms",
+                  f"{p['expected_tpot_s'] / best:.2f}x" if best > 0 else "-", style=style)
+    console.print(t)
+    console.print("[dim]F full, C compressed (E+SM), S SM only, E E only; slots go to experts by popularity rank, "
+                  "hottest first, in that order[/dim]")
+
+
+@app.command(name="plan")
+def plan(
+    path: Path = typer.Argument(..., help="The .zmoe container."),
+    budget: str = typer.Option(None, "--budget", "-b", help="Memory for weights: 24G, 24GiB, 512M, 1.5T or bytes."),
+    trace: list[Path] = typer.Option(None, "--trace", help="Activation trace (JSON lines) from `chat --trace-out` or `bench`; repeatable."),
+    calibrate: str = typer.Option(None, "--calibrate", help="Record a trace by running the model on PROMPTS (a file, one prompt per line, or `builtin`)."),
+    profile: Path = typer.Option(None, "--profile", help="Hardware profile JSON: used if it exists (must match this machine and file), else measured and written there."),
+    profile_only: bool = typer.Option(False, "--profile-only", help="Only measure (or show) the hardware profile."),
+    remeasure: bool = typer.Option(False, "--remeasure", help="Measure the profile again even if a matching one exists."),
+    out: Path = typer.Option(None, "-o", "--out", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan (or profile) as JSON instead of tables."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where merges and experts compute."),
+    workers: int = typer.Option(0, "--workers", help="Decode workers the runtime will use (default: the runtime's default)."),
+) -> None:
+    """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
+    from rich.console import Console
+
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.errors import UsageError
+    from zipmoe.runtime.planner_layout import container_layout
+    from zipmoe.runtime.planner_plan import make_plan
+    from zipmoe.runtime.planner_stats import from_traces, uniform
+    from zipmoe.runtime.profile import get_profile
+    from zipmoe.units import format_size, parse_size
+
+    err = Console(stderr=True)
+    con = Console()
+    if workers < 0:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    workers = workers or default_workers()
+    budget_bytes = parse_size(budget) if budget is not None else None
+    if budget_bytes is None and not profile_only:
+        raise UsageError("--budget is required (e.g. --budget 24G), unless --profile-only")
+    dev = _device(device)
+    with ContainerReader(path) as reader:
+        layout = container_layout(reader)
+        cid = reader.container_id
+    if budget_bytes is not None and budget_bytes < layout.min_budget(workers):
+        make_plan(layout, budget_bytes, None, {}, workers=workers)  # raises BudgetError with the minimum
+
+    if not as_json:
+        err.print("[dim]hardware profile: measuring or reusing (a few seconds the first time)...[/dim]")
+    prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure)
+    where = str(profile) if profile is not None else "cache"
+    if profile_only:
+        if as_json:
+            con.print_json(json.dumps(prof))
+        else:
+            c = prof["costs"]
+            con.print(f"[bold]profile[/bold] ({source}, {where}) for {path.name} on {prof['machine']['hostname']} "
+                      f"/ {prof['machine']['cpu_model']} / {prof['machine']['device']}")
+            con.print(f"  disk       {format_size(c['disk_bw'])}/s cold, latency {1e6 * c['disk_latency']:.0f} us "
+                      f"({prof['disk']['method']})")
+            con.print(f"  decompress {format_size(c['decomp_bw_per_worker'])}/s bf16 per worker ({prof['decomp']['codec']})")
+            con.print(f"  merge      {format_size(c['merge_bw'])}/s bf16 ({prof['merge']['kernel']})")
+            con.print(f"  compute    {1e3 * c['compute_s_per_expert']:.3f} ms per expert per token "
+                      f"({prof['compute']['torch_threads']} torch threads)")
+        return
+
+    traces = list(trace or [])
+    if calibrate is not None:
+        if not as_json:
+            err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
+        traces.append(_calibrate(path, calibrate, budget_bytes, dev, workers))
+    if traces:
+        stats = from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
+                            layers=layout.sparse_layers)
+    else:
+        stats = uniform(layout.num_experts, layout.top_k, layout.sparse_layers, cid)
+    result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
+                       profile_path=str(profile) if profile is not None else None)
+    if out is not None:
+        try:
+            out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if as_json:
+        con.print_json(json.dumps(result))
+        return
+    c = result["profile"]["costs"]
+    con.print(f"[bold]plan[/bold] for {path.name} under {format_size(budget_bytes)}: dense weights "
+              f"{format_size(result['dense_bytes'])}, working set {format_size(result['working_bytes'])}, "
+              f"cache pools {format_size(result['pool_bytes_available'])}")
+    if stats.source == "uniform prior":
+        con.print("[yellow]no trace given: expert popularity is the uniform prior (every expert equally likely); "
+                  "pass --trace or --calibrate for a plan that follows real routing[/yellow]")
+    else:
+        s = stats.summary()
+        con.print(f"activations: {s['tokens']} tokens from {len(s['files'])} trace(s); top-{s['top_k']} ranks take "
+                  f"{100 * s['top_k_share']:.0f}% of selections (uniform: {100 * s['top_k'] / s['num_experts']:.0f}%)")
+    con.print(f"costs ({result['profile']['source']}, {result['profile']['disk_method']}): disk "
+              f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
+              f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
+              f"expert {1e3 * c['compute_s_per_expert']:.3f} ms")
+    if dev == "cuda":
+        con.print("[dim]the full pool lives in GPU memory, the other pools in pinned host memory; the budget counts both[/dim]")
+    _table(result, con)
+    singles = [v["expected_tpot_s"] for k, v in result["alternatives"].items() if k != "no cache"]
+    if singles and min(singles) > 0:
+        gain = min(singles) / result["expected_tpot_s"]
+        con.print(f"chosen plan: {format_size(sum(result['pools'].values()))} in pools, predicted "
+                  f"{1e3 * result['expected_tpot_s']:.2f} ms per token, {gain:.2f}x the best single-pool plan")
+    if out is not None:
+        con.print(f"wrote {out} (use it with `zipmoe chat {path.name} --plan {out}`)")
+    else:
+        con.print("[dim]pass -o plan.json to save it[/dim]")

@@ -1,0 +1,124 @@
+"""What the planner needs to know about a container: sizes of experts, dense weights, working set.
+
+Expert tensors are grouped exactly as the runtime groups them (runtime.store's compute tensors:
+``gate_up`` and ``down`` for the fused families, ``up`` and ``down`` for SwitchTransformers),
+so that a schedule_model Task is one runtime compute tensor.
+
+Budget accounting mirrors runtime.core.Runtime::
+
+    budget = dense + scratch + window * expert_working + pools
+    scratch = workers * 2 * largest segment (decode scratch per worker)
+    expert_working = max over experts of sum(bf16 bytes + aligned read buffers)
+    window = min(workers + 2, what fits), at least 1
+    min budget = dense + scratch + expert_working
+
+``dense_bytes`` is the decoded size of the container's dense entries (the runtime counts its
+resident parameters, which can differ by tied weights or fp32 routers; when a plan's pools do
+not fit, the runtime scales them down keeping their shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zipmoe.errors import ModelError
+
+__all__ = ["ContainerLayout", "container_layout"]
+
+
+@dataclass
+class ContainerLayout:
+    path: str
+    container_id: str
+    file_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    sparse_layers: list[int]
+    dense_bytes: int
+    dense_matmul_bytes: int  # 2-D dense weights except embeddings (GEMV work per token)
+    units: list[tuple[str, tuple[int, int], int, int, int]]  # (name, shape, nbytes, e_bytes, sm_bytes), mean expert
+    expert_full_bytes: int  # one expert, all units, bf16
+    expert_working: int  # runtime.core: max per expert of bf16 + staging bytes
+    max_segment: int  # largest segment numel (decode scratch)
+    total_expert_full: int  # all experts, bf16
+
+    @property
+    def tensors(self) -> list[tuple[int, int, int]]:
+        """schedule_model ``tensors``: (nbytes, e_bytes, sm_bytes) per compute tensor of one expert."""
+        return [(nb, eb, sb) for _, _, nb, eb, sb in self.units]
+
+    @property
+    def slot_bytes(self) -> dict[str, int]:
+        """Bytes one expert slot costs in each pool."""
+        full = sum(u[2] for u in self.units)
+        e = sum(u[3] for u in self.units)
+        sm = sum(u[4] for u in self.units)
+        return {"full": full, "compressed": e + sm, "sm_only": sm, "e_only": e}
+
+    def scratch_bytes(self, workers: int) -> int:
+        return max(1, workers) * 2 * self.max_segment
+
+    def min_budget(self, workers: int) -> int:
+        return self.dense_bytes + self.scratch_bytes(workers) + self.expert_working
+
+    def pool_bytes(self, budget: int, workers: int) -> int:
+        """What the runtime leaves for the pools under ``budget`` (0 when below the minimum)."""
+        left = budget - self.dense_bytes - self.scratch_bytes(workers)
+        if left < self.expert_working:
+            return 0
+        window = max(1, min(workers + 2, left // max(1, self.expert_working)))
+        return max(0, left - window * self.expert_working)
+
+
+def container_layout(reader) -> ContainerLayout:
+    """Read sizes from an open ContainerReader (no tensor data is read)."""
+    from .families import family_for
+    from .store import build_expert_tensors
+
+    meta_model = reader.meta.get("model") or {}
+    family = family_for(reader.config, reader.meta)
+    # expected shapes from the entries themselves: rows of a unit = sum of its projections' rows
+    proj_to_unit = {p: u for u, projs in family.units for p in projs}
+    rows: dict[tuple[int, int, str], int] = {}
+    cols: dict[tuple[int, str], int] = {}
+    for e in reader.entries:
+        if e.role != "expert" or len(e.shape) != 2:
+            continue
+        unit = "gate_up" if e.proj == "gate_up" else proj_to_unit.get(e.proj)
+        if unit is None:
+            continue
+        ex = e.expert if e.expert is not None else e.fused_index
+        rows[(e.layer, ex, unit)] = rows.get((e.layer, ex, unit), 0) + e.shape[0]
+        cols[(e.layer, unit)] = e.shape[1]
+    expected: dict[int, dict[str, tuple[int, int]]] = {}
+    for (layer, _ex, unit), r in rows.items():
+        expected.setdefault(layer, {})[unit] = (r, cols[(layer, unit)])
+    experts = build_expert_tensors(reader.entries, family, expected)
+    if not experts:
+        raise ModelError(f"{reader.path} has no expert tensors: there is nothing to plan")
+    sparse_layers = sorted({l for l, _ in experts})
+    num_experts = int(meta_model.get("num_experts") or (max(e for _, e in experts) + 1))
+    top_k = int(meta_model.get("top_k") or 0)
+    if top_k < 1:
+        raise ModelError(f"{reader.path} does not record the router's top_k")
+    # the mean expert, unit by unit
+    n = len(experts)
+    names = [u for u, _ in family.units]
+    units = []
+    for j, name in enumerate(names):
+        ts = [ts[j] for ts in experts.values()]
+        units.append((name, ts[0].shape, round(sum(t.full_bytes for t in ts) / n),
+                      round(sum(t.e_bytes for t in ts) / n), round(sum(t.sm_bytes for t in ts) / n)))
+    working = max(sum(t.full_bytes + t.staging_bytes() for t in ts) for ts in experts.values())
+    max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
+    dense = [e for e in reader.entries if e.role == "dense"]
+    dense_bytes = sum(e.nbytes for e in dense)
+    dense_mm = sum(e.nbytes for e in dense if len(e.shape) == 2 and "embed" not in e.name and not e.name.endswith("shared.weight"))
+    return ContainerLayout(
+        path=str(reader.path), container_id=reader.container_id, file_size=reader.file_size,
+        num_layers=int(meta_model.get("num_layers") or (max(sparse_layers) + 1)), num_experts=num_experts,
+        top_k=top_k, sparse_layers=sparse_layers, dense_bytes=dense_bytes, dense_matmul_bytes=dense_mm,
+        units=units, expert_full_bytes=sum(u[2] for u in units), expert_working=working, max_segment=max_seg,
+        total_expert_full=sum(t.full_bytes for ts in experts.values() for t in ts),
+    )

@@ -1,0 +1,136 @@
+"""Make a plan: statistics + profile + container layout -> pool sizes (plan.json).
+
+``make_plan(path, budget, ...)`` ties together runtime.planner_layout (sizes, budget
+accounting as the runtime does it), runtime.planner_stats (rank popularity), runtime.profile
+(measured costs), runtime.planner_model (CPS count distribution, expected makespan) and
+runtime.planner_search (the partition search). The result is the plan.json document
+(``PLAN_FORMAT``, described in docs/planner.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from zipmoe.errors import BudgetError
+from zipmoe.units import format_size
+
+from .planner_layout import ContainerLayout
+from .planner_model import POOL_ORDER, LayerSet, MakespanTable, solve_cps
+from .planner_search import POOLS, search
+from .planner_stats import ActivationStats
+from .profile import costs_of
+
+__all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT"]
+
+PLAN_FORMAT = "zipmoe-plan/1"
+ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
+              "then sm_only, then e_only slots; the rest are misses")
+
+
+class Planner:
+    """The objective for one container, statistics, costs and worker count."""
+
+    def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int) -> None:
+        self.layout, self.stats, self.profile, self.workers = layout, stats, profile, int(workers)
+        self.costs = costs_of(profile)
+        k = layout.top_k
+        cache: dict[bytes, np.ndarray] = {}
+        rows = []
+        for l in layout.sparse_layers:
+            p = np.asarray(stats.rank_p[l], dtype=np.float64)
+            key = p.tobytes()
+            if key not in cache:
+                cache[key] = solve_cps(p, k)
+            rows.append(cache[key])
+        self.table = MakespanTable(k, layout.tensors, self.workers, self.costs)
+        self.layers = LayerSet(np.stack(rows), k, self.table)
+        bps = float(profile.get("compute", {}).get("bytes_per_s") or 0.0)
+        if bps <= 0:
+            bps = layout.expert_full_bytes / max(1e-12, self.costs.compute_s_per_expert)
+        # dense GEMV work per token at the experts' measured bytes/s (an estimate)
+        self.dense_s = layout.dense_matmul_bytes / bps if bps > 0 else 0.0
+
+    def sparse_s(self, slots: dict[str, int]) -> float:
+        """Expected seconds of all sparse layers for one output token."""
+        return float(self.layers.expected(slots).sum())
+
+    def describe(self, slots: dict[str, int]) -> dict:
+        per_layer = self.layers.expected(slots)
+        hits = self.layers.hits(slots).mean(axis=0)
+        sb = self.layout.slot_bytes
+        n = len(self.layout.sparse_layers)
+        return {
+            "slots": {p: int(slots.get(p, 0)) for p in POOLS},
+            "pools": {p: int(slots.get(p, 0)) * sb[p] * n for p in POOLS},
+            "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
+            "expected_layer_makespan_s": float(per_layer.mean()),
+            "expected_sparse_s_per_token": float(per_layer.sum()),
+            "expected_tpot_s": float(per_layer.sum() + self.dense_s),
+        }
+
+
+def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, profile: dict, *, workers: int,
+              device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None) -> dict:
+    """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum."""
+    minimum = layout.min_budget(workers)
+    if budget < minimum:
+        raise BudgetError(
+            f"budget {format_size(budget)} is below the minimum for this model: {format_size(minimum)} "
+            f"({minimum} bytes: dense weights {format_size(layout.dense_bytes)} + one expert in flight and "
+            f"decode scratch {format_size(minimum - layout.dense_bytes)})"
+        )
+    planner = Planner(layout, stats, profile, workers)
+    pool_bytes = layout.pool_bytes(budget, workers)
+    n = len(layout.sparse_layers)
+    per_layer = pool_bytes // n
+    res = search(planner.sparse_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
+                 experts=layout.num_experts)
+    chosen = planner.describe(res.best)
+    alternatives = {}
+    for name, (slots, _) in res.singles.items():
+        alternatives["no cache" if name == "none" else f"{name} only"] = planner.describe(slots)
+    used = sum(chosen["pools"].values())
+    working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.core)
+    prof_summary = {
+        "source": profile_source,
+        "path": profile_path,
+        "measured_at": profile.get("measured_at"),
+        "machine": profile.get("machine"),
+        "workers": workers,
+        "disk_method": profile.get("disk", {}).get("method"),
+        "codec": profile.get("decomp", {}).get("codec"),
+        "costs": dict(profile["costs"]),
+        "dense_s_per_token_estimate": planner.dense_s,
+    }
+    return {
+        "format": PLAN_FORMAT,
+        "container_id": layout.container_id,
+        "container": str(Path(layout.path).name),
+        "budget": int(budget),
+        "min_budget": int(minimum),
+        "dense_bytes": int(layout.dense_bytes),
+        "working_bytes": int(working),
+        "pool_bytes_available": int(pool_bytes),
+        "unused_bytes": int(pool_bytes - used),
+        "device": device,
+        "workers": int(workers),
+        "pools": chosen["pools"],
+        "slots": {
+            "per_layer": chosen["slots"],
+            "sparse_layers": n,
+            "experts_per_layer": layout.num_experts,
+            "top_k": layout.top_k,
+            "slot_bytes": layout.slot_bytes,
+            "assignment": ASSIGNMENT,
+        },
+        "expected_hits": chosen["expected_hits"],
+        "expected_layer_makespan_s": chosen["expected_layer_makespan_s"],
+        "expected_sparse_s_per_token": chosen["expected_sparse_s_per_token"],
+        "expected_tpot_s": chosen["expected_tpot_s"],
+        "alternatives": alternatives,
+        "search": {"evaluated": res.evaluated},
+        "profile": prof_summary,
+        "trace": stats.summary(),
+    }

@@ -1,0 +1,421 @@
+"""The hardware profile the planner uses: measured on this machine, with this container.
+
+What is measured (each exactly what runtime.schedule_model.Costs counts):
+
+* **disk**: cold reads of the container's expert extents, one request at a time, with
+  ``O_DIRECT`` into page-aligned buffers so that the page cache does not answer. Where the file
+  system refuses ``O_DIRECT`` (tmpfs, some overlay file systems) the reads fall back to
+  ``pread`` after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the range, and ``disk.method``
+  says which was used (``"O_DIRECT"`` or ``"pread+fadvise(DONTNEED)"``; on tmpfs the latter
+  measures memory, which is then what the disk is). Small (4 KiB) and expert-sized reads at
+  random aligned offsets are fitted by least squares to ``t = latency + bytes / bw``.
+* **decompression**: one thread (= one decode worker) decodes the E chunks of real expert
+  tensors with the container's codec into a preallocated buffer, checking the chunks'
+  checksums as the runtime does (runtime.store): ``decomp_bw_per_worker`` counts **bf16 bytes**
+  (2 x numel) per second.
+* **merge**: ``zipmoe.kernels.merge`` (numba on the CPU, Triton on CUDA) of E and SM bytes into
+  bf16 on the device, bf16 bytes per second.
+* **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
+  its compute tensors, plus the activation), with the torch threads the serving process will use
+  (``runtime.loader.default_threads(workers)``).
+
+Storage: JSON, ``{"format": "zipmoe-profile/1", "machine": {...}, "container": {...},
+"costs": {Costs fields}, "disk": {...}, "decomp": {...}, "merge": {...}, "compute": {...}}``.
+By default in ``$ZIPMOE_CACHE_DIR`` or ``$XDG_CACHE_HOME/zipmoe`` or ``~/.cache/zipmoe``, under
+``profiles/<machine key>-<container id>.json``, where the machine key hashes the hostname, the
+CPU model, the core count and the device. It is reused until the machine or the file changes
+(container id, size or mtime): a cached profile that no longer matches is measured again; a
+profile file given explicitly (``--profile FILE``) that does not match raises
+:class:`~zipmoe.errors.UsageError` (stale profile) naming what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import platform
+import random
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+
+from zipmoe.errors import UsageError
+
+from .schedule_model import Costs
+
+__all__ = ["PROFILE_FORMAT", "machine_info", "machine_key", "default_profile_path", "measure",
+           "load_profile", "save_profile", "check_profile", "costs_of", "get_profile"]
+
+PROFILE_FORMAT = "zipmoe-profile/1"
+ALIGN = 4096
+
+
+# ---------------------------------------------------------------------------------- identity
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """What identifies this machine for a profile: host, CPU, cores, device."""
+    info = {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cores": _cores(), "device": device}
+    if device.startswith("cuda"):
+        import torch
+
+        info["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def machine_key(info: dict) -> str:
+    blob = json.dumps({k: info.get(k) for k in ("hostname", "cpu_model", "cores", "device", "device_name")}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def container_info(path, container_id: str) -> dict:
+    st = os.stat(path)
+    return {"container_id": container_id, "path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ZIPMOE_CACHE_DIR"):
+        return Path(os.environ["ZIPMOE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zipmoe"
+
+
+def default_profile_path(container_id: str, device: str = "cpu") -> Path:
+    return cache_dir() / "profiles" / f"{machine_key(machine_info(device))}-{container_id}.json"
+
+
+# ---------------------------------------------------------------------------------- disk
+def _open_direct(path) -> tuple[int, str]:
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            fd = os.open(path, os.O_RDONLY | flag)
+        except OSError:
+            pass
+        else:
+            buf = mmap.mmap(-1, ALIGN)
+            try:
+                os.preadv(fd, [buf], 0)
+                return fd, "O_DIRECT"
+            except OSError:
+                os.close(fd)
+            finally:
+                buf.close()
+    return os.open(path, os.O_RDONLY), "pread+fadvise(DONTNEED)"
+
+
+def _timed_read(fd: int, method: str, buf: mmap.mmap, offset: int, length: int) -> float:
+    view = memoryview(buf)[:length]
+    if method != "O_DIRECT" and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    t0 = time.perf_counter()
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    dt = time.perf_counter() - t0
+    view.release()
+    return dt
+
+
+def measure_disk(path, ranges: list[tuple[int, int]], seconds: float = 1.0, seed: int = 0) -> dict:
+    """Cold read latency and bandwidth from reads of ``ranges`` (expert extents) and 4 KiB reads."""
+    size = os.stat(path).st_size
+    rng = random.Random(seed)
+    aligned = []
+    for off, ln in ranges:
+        a = off // ALIGN * ALIGN
+        b = min(size // ALIGN * ALIGN if size % ALIGN == 0 else (size + ALIGN - 1) // ALIGN * ALIGN, -(-(off + ln) // ALIGN) * ALIGN)
+        if b > a:
+            aligned.append((a, b - a))
+    if not aligned:
+        aligned = [(0, min(size, 1 << 20) // ALIGN * ALIGN or ALIGN)]
+    biggest = max(ln for _, ln in aligned)
+    fd, method = _open_direct(path)
+    buf = mmap.mmap(-1, biggest + ALIGN)
+    samples: list[tuple[int, float]] = []
+    try:
+        t_end = time.perf_counter() + seconds
+        small_max = max(0, size // ALIGN - 1)
+        n = 0
+        while (time.perf_counter() < t_end or n < 16) and n < 100000:
+            if n % 2 == 0:  # 4 KiB read at a random aligned offset
+                off = rng.randint(0, small_max) * ALIGN
+                samples.append((ALIGN, _timed_read(fd, method, buf, off, min(ALIGN, size - off) if method != "O_DIRECT" else ALIGN)))
+            else:
+                off, ln = aligned[rng.randrange(len(aligned))]
+                if method == "O_DIRECT" and off + ln > size:
+                    ln = max(ALIGN, (size - off) // ALIGN * ALIGN)
+                samples.append((ln, _timed_read(fd, method, buf, off, ln)))
+            n += 1
+    finally:
+        buf.close()
+        os.close(fd)
+    x = np.array([s[0] for s in samples], dtype=np.float64)
+    t = np.array([s[1] for s in samples], dtype=np.float64)
+    # robust fit: medians per size class, then a line through the small and the large class
+    small = np.median(t[x == ALIGN])
+    big_mask = x > ALIGN
+    if big_mask.any():
+        xb, tb = x[big_mask], t[big_mask]
+        # least squares of t = lat + x / bw on all samples, latency clamped to >= 0
+        A = np.stack([np.ones_like(x), x], axis=1)
+        (lat, inv_bw), *_ = np.linalg.lstsq(A, t, rcond=None)
+        if lat < 0 or inv_bw <= 0:
+            lat = max(0.0, float(small) - ALIGN * float(np.sum(tb) / np.sum(xb)))
+            inv_bw = max(1e-15, float((np.sum(tb) - lat * len(tb)) / np.sum(xb)))
+    else:
+        lat, inv_bw = float(small) / 2, float(small) / 2 / ALIGN
+    return {"method": method, "latency_s": float(lat), "bw": float(1.0 / inv_bw), "samples": len(samples),
+            "bytes": int(x.sum()), "median_4k_s": float(small), "read_sizes": sorted({int(v) for v in x})[:8]}
+
+
+# ---------------------------------------------------------------------------------- decode
+def measure_decomp(reader, entries, seconds: float = 0.5) -> dict:
+    """One worker decoding real E chunks into a preallocated buffer: bf16 bytes per second."""
+    from zipmoe.codecs.exponent import DecodeContext
+    from zipmoe.codecs.reader import decode_exp_into
+
+    work = []
+    for e in entries:
+        exp = e.chunks_of("exp")
+        if not exp:
+            continue
+        a = exp[0].offset
+        b = exp[-1].offset + exp[-1].length
+        work.append((e, reader.read_range(a, b - a), np.empty(e.numel, np.uint8)))
+    if not work:
+        raise UsageError(f"{reader.path} has no compressed expert data to measure decompression with")
+    ctx = DecodeContext()
+    for e, stored, out in work[:2]:  # warm up (library load, first-touch of the buffers)
+        decode_exp_into(e, stored, out, ctx)
+    done = 0
+    t0 = time.perf_counter()
+    elapsed = 0.0
+    jobs = 0
+    while elapsed < seconds or jobs < len(work):
+        e, stored, out = work[jobs % len(work)]
+        decode_exp_into(e, stored, out, ctx)
+        done += 2 * e.numel
+        jobs += 1
+        elapsed = time.perf_counter() - t0
+    codecs = sorted({c.codec for e, _, _ in work for c in e.chunks_of("exp")})
+    return {"bw_per_worker": done / elapsed, "codec": ",".join(codecs), "jobs": jobs, "seconds": elapsed,
+            "per_job_s": elapsed / jobs}
+
+
+def measure_merge(numel: int, device: str = "cpu", seconds: float = 0.3) -> dict:
+    """``zipmoe.kernels.merge`` of ``numel`` values on ``device``: bf16 bytes per second."""
+    from zipmoe.kernels import merge
+
+    rng = np.random.default_rng(0)
+    exp = rng.integers(100, 140, numel, dtype=np.uint8)
+    sm = rng.integers(0, 256, numel, dtype=np.uint8)
+    sync = lambda: None  # noqa: E731
+    if device.startswith("cuda"):
+        import torch
+
+        exp_t, sm_t = torch.from_numpy(exp).to(device), torch.from_numpy(sm).to(device)
+        out_t = torch.empty(numel, dtype=torch.uint16 if hasattr(torch, "uint16") else torch.int16, device=device)
+        args = (exp_t, sm_t, out_t)
+        sync = torch.cuda.synchronize
+        kernel = "triton"
+    else:
+        args = (exp, sm, np.empty(numel, np.uint16))
+        kernel = "numba"
+    merge(*args)
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        merge(*args)
+        n += 1
+        if n % 4 == 0:
+            sync()
+            el = time.perf_counter() - t0
+            if el >= seconds:
+                break
+    return {"bw": 2 * numel * n / el, "kernel": kernel, "numel": numel, "per_merge_s": el / n}
+
+
+def measure_compute(shapes: list[tuple[int, int]], device: str = "cpu", threads: int | None = None,
+                    seconds: float = 0.3) -> dict:
+    """One expert's forward for one token: F.linear of each [out, in] tensor in bf16, + SiLU."""
+    import torch
+    import torch.nn.functional as F
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        dev = torch.device(device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        ws = [(torch.randn(o, i, generator=g) * 0.02).to(dtype=torch.bfloat16, device=dev) for o, i in shapes]
+        xs = [torch.randn(1, i, generator=g).to(dtype=torch.bfloat16, device=dev) for _, i in shapes]
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+        def one():
+            for w, x in zip(ws, xs):
+                F.silu(F.linear(x, w))
+
+        with torch.inference_mode():
+            for _ in range(3):
+                one()
+            sync()
+            times = []
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end or len(times) < 5:
+                t0 = time.perf_counter()
+                one()
+                sync()
+                times.append(time.perf_counter() - t0)
+        nbytes = sum(2 * o * i for o, i in shapes)
+        med = float(np.median(times))
+        return {"s_per_expert": med, "torch_threads": torch.get_num_threads(), "shapes": [list(s) for s in shapes],
+                "bytes_per_s": nbytes / med if med > 0 else 0.0, "runs": len(times)}
+    finally:
+        torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------------- profile
+def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False) -> dict:
+    """Measure everything for ``path`` on ``device``; returns the profile dict (not saved)."""
+    from zipmoe.codecs.reader import ContainerReader
+
+    from .loader import default_threads, default_workers
+    from .planner_layout import container_layout
+
+    workers = default_workers() if workers is None else int(workers)
+    scale = 0.3 if quick else 1.0
+    with ContainerReader(path) as reader:
+        layout = container_layout(reader)
+        experts = [e for e in reader.entries if e.role == "expert" and e.dtype == "BF16"]
+        rng = random.Random(1)
+        sample = rng.sample(experts, min(len(experts), 24))
+        ranges = []
+        for e in experts:
+            ranges.append(tuple(e.extent))
+        disk = measure_disk(path, ranges, seconds=1.0 * scale)
+        decomp = measure_decomp(reader, sample, seconds=0.5 * scale)
+        biggest = max(u[2] // 2 for u in layout.units)
+        merge = measure_merge(biggest, device, seconds=0.3 * scale)
+        compute = measure_compute([u[1] for u in layout.units], device, threads=default_threads(workers),
+                                  seconds=0.3 * scale)
+        prof = {
+            "format": PROFILE_FORMAT,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine_info(device),
+            "container": container_info(path, reader.container_id),
+            "workers": workers,
+            "disk": disk,
+            "decomp": decomp,
+            "merge": merge,
+            "compute": compute,
+        }
+    prof["costs"] = {
+        "disk_bw": disk["bw"],
+        "disk_latency": disk["latency_s"],
+        "decomp_bw_per_worker": decomp["bw_per_worker"],
+        "merge_bw": merge["bw"],
+        "compute_s_per_expert": compute["s_per_expert"],
+    }
+    return prof
+
+
+def costs_of(profile: dict) -> Costs:
+    c = profile["costs"]
+    return Costs(float(c["disk_bw"]), float(c["disk_latency"]), float(c["decomp_bw_per_worker"]),
+                 float(c["merge_bw"]), float(c["compute_s_per_expert"]),
+                 float(c.get("decomp_overhead_s", 0.0)), float(c.get("merge_overhead_s", 0.0)))
+
+
+def save_profile(profile: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_profile(path) -> dict:
+    path = Path(path)
+    try:
+        prof = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"profile {path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"profile {path} is not a zipmoe profile: {exc}") from None
+    if not isinstance(prof, dict) or prof.get("format") != PROFILE_FORMAT or "costs" not in prof:
+        raise UsageError(f"profile {path} is not a {PROFILE_FORMAT} file")
+    try:
+        costs_of(prof)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"profile {path} has unusable costs: {exc}") from None
+    return prof
+
+
+def check_profile(profile: dict, container_path, container_id: str, device: str) -> str | None:
+    """None when ``profile`` fits this machine and file, else why it is stale (one phrase)."""
+    m, mine = profile.get("machine", {}), machine_info(device)
+    for k in ("hostname", "cpu_model", "cores", "device", "device_name"):
+        if m.get(k) != mine.get(k):
+            return f"it was measured on another machine ({k}: {m.get(k)!r}, here {mine.get(k)!r})"
+    c = profile.get("container", {})
+    if c.get("container_id") != container_id:
+        return f"it was measured with another container ({c.get('container_id')}, this one is {container_id})"
+    st = os.stat(container_path)
+    if c.get("size") != st.st_size or c.get("mtime_ns") != st.st_mtime_ns:
+        return "the container file changed since it was measured"
+    return None
+
+
+def get_profile(container_path, container_id: str, device: str = "cpu", profile_path=None,
+                workers: int | None = None, remeasure: bool = False, quick: bool = False) -> tuple[dict, str]:
+    """The profile to plan with, and where it came from (``"measured"``, ``"cached"``, ``"file"``).
+
+    ``profile_path`` given and existing: loaded and checked (stale -> UsageError). Given and
+    missing: measured and written there. Not given: the per-machine cache, re-measured when stale.
+    """
+    if profile_path is not None:
+        p = Path(profile_path)
+        if p.exists() and not remeasure:
+            prof = load_profile(p)
+            why = check_profile(prof, container_path, container_id, device)
+            if why:
+                raise UsageError(f"profile {p} is stale: {why}; measure again with `zipmoe plan FILE --profile-only --profile {p}` after deleting it")
+            return prof, "file"
+        prof = measure(container_path, device, workers, quick=quick)
+        save_profile(prof, p)
+        return prof, "measured"
+    p = default_profile_path(container_id, device)
+    if p.exists() and not remeasure:
+        try:
+            prof = load_profile(p)
+        except UsageError:
+            prof = None
+        if prof is not None and check_profile(prof, container_path, container_id, device) is None:
+            return prof, "cached"
+    prof = measure(container_path, device, workers, quick=quick)
+    try:
+        save_profile(prof, p)
+    except OSError:
+        pass  # a read-only home: plan anyway
+    return prof, "measured"
