@@ -5,7 +5,8 @@ runtime.planner_stats), are the cache *slots*. A token activates ``k`` distinct 
 the token's choice as **conditional Poisson sampling** (CPS) of size ``k``: slot ``r`` is a
 Bernoulli variable with probability ``q[r]`` (independent), conditioned on exactly ``k`` of them
 being on. The ``q`` are solved for (a fixed point on the log-odds, Chen, Dempster & Liu 1994) so
-that the CPS inclusion probability of every rank is its observed one, ``pi[r] = k * p[r]``.
+that the CPS inclusion probability of every rank is its observed one (the update is on the log-odds,
+``logit q += logit(target) - logit(pi)``, which converges also for ranks chosen by almost every token), ``pi[r] = k * p[r]``.
 
 Pools. A plan gives each pool ``m_pool`` slots per sparse layer; slots are assigned by rank,
 hottest first, in the order ``full -> compressed -> sm_only -> e_only``, the rest are ``none``
@@ -80,7 +81,7 @@ def _capped_targets(t: np.ndarray, k: int, cap: float = 1 - 1e-6) -> np.ndarray:
     return np.clip(t, 1e-12, cap)
 
 
-def solve_cps(p: Sequence[float], k: int, tol: float = 1e-10, max_iter: int = 2000) -> np.ndarray:
+def solve_cps(p: Sequence[float], k: int, tol: float = 1e-8, max_iter: int = 500) -> np.ndarray:
     """Poisson probabilities ``q`` whose CPS of size ``k`` includes rank ``r`` with ``k * p[r]``.
 
     ``p`` are selection shares (sum 1). Targets are clipped to ``[1e-12, 1 - 1e-9]`` (a rank
@@ -100,7 +101,8 @@ def solve_cps(p: Sequence[float], k: int, tol: float = 1e-10, max_iter: int = 20
         err = np.max(np.abs(pi - target))
         if err < tol:
             break
-        logit += np.log(target) - np.log(pi)
+        pi = np.clip(pi, 1e-300, 1 - 1e-16)
+        logit += (np.log(target) - np.log1p(-target)) - (np.log(pi) - np.log1p(-pi))
     return 1 / (1 + np.exp(-logit))
 
 

@@ -1,0 +1,143 @@
+"""The planner's model and search: CPS inclusion, DP vs Monte Carlo, rank statistics, search."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zipmoe.errors import ModelError
+from zipmoe.runtime.planner_model import (
+    POOL_ORDER,
+    LayerSet,
+    MakespanTable,
+    cps_inclusion,
+    count_distribution,
+    expected_hits,
+    expected_makespan,
+    pool_pmf,
+    sample_counts,
+    solve_cps,
+)
+from zipmoe.runtime.planner_search import POOLS, search
+from zipmoe.runtime.planner_stats import from_traces, rank_distribution, uniform
+from zipmoe.runtime.schedule_model import Costs
+
+COSTS = Costs(disk_bw=2e9, disk_latency=80e-6, decomp_bw_per_worker=1.5e9, merge_bw=4e9, compute_s_per_expert=150e-6)
+NUMEL = 1 << 20
+TENSORS = [(2 * 2 * NUMEL, 2 * NUMEL * 17 // 100, 2 * NUMEL), (2 * NUMEL, NUMEL * 17 // 100, NUMEL)]  # gate_up, down
+
+
+def _rank_p(rng, n, skew):
+    p = rng.dirichlet(np.full(n, skew))
+    return np.sort(p)[::-1]
+
+
+def _feasible(p, k, most=0.95):
+    """Mix with the uniform distribution until no rank exceeds ``most / k`` (tokens pick distinct experts)."""
+    n = len(p)
+    if p[0] * k > most:
+        lam = (p[0] - most / k) / (p[0] - 1 / n)
+        p = (1 - lam) * p + lam / n
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("n,k", [(8, 1), (8, 2), (16, 4), (60, 4), (64, 8)])
+def test_cps_weights_reproduce_the_inclusion_targets(n, k):
+    rng = np.random.default_rng(n * 10 + k)
+    p = _feasible(_rank_p(rng, n, 0.5), k)
+    q = solve_cps(p, k)
+    assert np.allclose(cps_inclusion(q, k), k * p, atol=1e-7)
+    # a rank chosen by (almost) every token: the target is capped, the rest share the excess
+    hot = np.array([0.6, 0.3, 0.05, 0.05])
+    assert np.allclose(cps_inclusion(solve_cps(hot, 2), 2), [1, 0.75, 0.125, 0.125], atol=1e-5)
+
+
+def test_pool_pmf_is_poisson_binomial():
+    q = np.array([0.1, 0.5, 0.9])
+    pmf = pool_pmf(q, 3)
+    brute = np.zeros(4)
+    for bits in range(8):
+        on = [(bits >> i) & 1 for i in range(3)]
+        brute[sum(on)] += np.prod([q[i] if on[i] else 1 - q[i] for i in range(3)])
+    assert np.allclose(pmf, brute)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_count_distribution_agrees_with_monte_carlo(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 33))
+    k = int(rng.integers(1, min(n, 6) + 1))
+    p = _feasible(_rank_p(rng, n, float(rng.choice([0.3, 1.0, 5.0]))), k)
+    q = solve_cps(p, k)
+    cuts = np.sort(rng.integers(0, n + 1, 4))
+    slots = dict(zip(POOLS, np.diff(np.concatenate([[0], cuts])).tolist()))
+    comps, prob = count_distribution(q, k, slots)
+    assert prob.sum() == pytest.approx(1.0)
+    draws = sample_counts(q, k, slots, 20000, rng)
+    emp = np.array([np.mean(np.all(draws == c, axis=1)) for c in comps])
+    # 20 000 draws: the standard error of a probability is at most 0.0036
+    assert np.max(np.abs(emp - prob)) < 0.02
+    assert np.allclose(draws.mean(axis=0), prob @ comps, atol=0.05)
+    # vectorised LayerSet gives the same distribution as the single-layer function
+    table = MakespanTable(k, TENSORS, 2, COSTS)
+    ls = LayerSet(np.stack([q, q]), k, table)
+    assert np.allclose(ls.distribution(slots)[1], prob)
+    assert ls.expected(slots)[0] == pytest.approx(expected_makespan(q, k, slots, table))
+    assert np.allclose(ls.hits(slots)[0], list(expected_hits(q, k, slots).values()))
+
+
+def test_rank_statistics_sort_counts_and_smooth():
+    p = rank_distribution(np.array([0, 10, 3, 0]), alpha=0.5)
+    assert np.all(np.diff(p) <= 0) and p.sum() == pytest.approx(1.0)
+    assert p[0] == pytest.approx(10.5 / 15) and p[-1] > 0
+    u = uniform(8, 2, [0, 1])
+    assert u.source == "uniform prior" and np.allclose(u.rank_p[1], 1 / 8)
+
+
+def _write_trace(path, cid, layers, num_experts, top_k, tokens, skew, seed=0, **header):
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, num_experts + 1) ** skew
+    perms = {l: rng.permutation(num_experts) for l in layers}  # hot ids differ per layer
+    with open(path, "w") as f:
+        f.write(json.dumps({"container_id": cid, "num_layers": max(layers) + 1, "num_experts": num_experts,
+                            "top_k": top_k, "layers": layers, **header}) + "\n")
+        for _ in range(tokens):
+            step = {}
+            for l in layers:
+                ranks = rng.choice(num_experts, size=top_k, replace=False, p=w / w.sum())
+                step[str(l)] = [[int(perms[l][r]) for r in ranks]]
+            f.write(json.dumps({"layers": step}) + "\n")
+    return path
+
+
+def test_from_traces_ranks_by_popularity_not_id(tmp_path):
+    t = _write_trace(tmp_path / "t.jsonl", "abc", [0, 1], 8, 2, 400, skew=1.5)
+    st = from_traces([t], container_id="abc", num_experts=8, top_k=2, layers=[0, 1])
+    assert st.source == "trace" and st.tokens == 400
+    for l in (0, 1):
+        assert np.all(np.diff(st.rank_p[l]) <= 0) and st.rank_p[l][0] > 0.25
+    with pytest.raises(ModelError, match="another model"):
+        from_traces([t], container_id="xyz", num_experts=8, top_k=2, layers=[0, 1])
+    with pytest.raises(ModelError, match="experts"):
+        from_traces([t], container_id="abc", num_experts=16, top_k=2, layers=[0, 1])
+
+
+def test_search_beats_every_single_pool_plan_on_a_skewed_trace(tmp_path):
+    E, k, layers = 16, 2, [0, 1, 2, 3]
+    t = _write_trace(tmp_path / "t.jsonl", "abc", layers, E, k, 2000, skew=1.2)
+    st = from_traces([t], container_id="abc", num_experts=E, top_k=k, layers=layers)
+    table = MakespanTable(k, TENSORS, 2, COSTS)
+    ls = LayerSet(np.stack([solve_cps(st.rank_p[l], k) for l in layers]), k, table)
+    slot_bytes = {"full": sum(t[0] for t in TENSORS), "compressed": sum(t[1] + t[2] for t in TENSORS),
+                  "sm_only": sum(t[2] for t in TENSORS), "e_only": sum(t[1] for t in TENSORS)}
+    strict = 0
+    for frac in (0.25, 0.4, 0.6):
+        per_layer = int(frac * E * slot_bytes["full"])
+        res = search(lambda s: float(ls.expected(s).sum()), per_layer_bytes=per_layer, slot_bytes=slot_bytes, experts=E)
+        singles = [v for name, (_, v) in res.singles.items()]
+        assert res.best_value <= min(singles) + 1e-15
+        assert sum(res.best[p] * slot_bytes[p] for p in POOLS) <= per_layer
+        strict += res.best_value < min(singles) * 0.99
+    assert strict >= 2  # a mixed plan is clearly better at most budgets
