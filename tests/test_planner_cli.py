@@ -1,0 +1,161 @@
+"""`zipmoe plan` end to end on a tiny packed container, its errors, and the hardware profile."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from zipmoe_cli.app import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.codecs.writer import pack
+
+    d = tmp_path_factory.mktemp("plan")
+    synth.write("mixtral", d / "ck", preset="tiny", skew=1.0, progress=False)
+    pack(d / "ck", d / "m.zmoe")
+    with ContainerReader(d / "m.zmoe") as r:
+        cid = r.container_id
+    return d / "m.zmoe", cid
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZIPMOE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _run(args, capsys):
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _profile(path, cid, tmp_path, **changes):
+    """A profile that matches this machine and file, with realistic costs (no measuring)."""
+    from zipmoe.runtime.profile import PROFILE_FORMAT, container_info, machine_info
+
+    prof = {
+        "format": PROFILE_FORMAT,
+        "machine": machine_info("cpu"),
+        "container": container_info(path, cid),
+        "disk": {"method": "O_DIRECT"},
+        "decomp": {"codec": "zstd"},
+        "merge": {"kernel": "numba"},
+        "compute": {"s_per_expert": 40e-6, "torch_threads": 1},
+        "costs": {"disk_bw": 1.0e9, "disk_latency": 60e-6, "decomp_bw_per_worker": 1.5e9, "merge_bw": 3e9,
+                  "compute_s_per_expert": 40e-6},
+    }
+    for k, v in changes.items():
+        prof[k] = {**prof[k], **v}
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(prof))
+    return p
+
+
+def _trace(path, cid, tokens=300, skew=1.5, **header):
+    rng = np.random.default_rng(0)
+    w = 1 / np.arange(1, 9) ** skew
+    with open(path, "w") as f:
+        f.write(json.dumps({"container_id": cid, "num_layers": 2, "num_experts": 8, "top_k": 2, "layers": [0, 1], **header}) + "\n")
+        for _ in range(tokens):
+            f.write(json.dumps({"layers": {str(l): [rng.choice(8, 2, replace=False, p=w / w.sum()).tolist()] for l in (0, 1)}}) + "\n")
+    return path
+
+
+def test_plan_writes_plan_json_and_explains(container, tmp_path, capsys):
+    path, cid = container
+    prof = _profile(path, cid, tmp_path)
+    tr = _trace(tmp_path / "t.jsonl", cid)
+    out = tmp_path / "plan.json"
+    code, stdout, err = _run(["plan", path, "--budget", "800K", "--trace", tr, "--profile", prof, "-o", out, "--workers", "1"], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["format"] == "zipmoe-plan/1" and plan["container_id"] == cid
+    assert plan["budget"] == 800 * 1024
+    assert set(plan["pools"]) == {"full", "compressed", "sm_only", "e_only"}
+    assert sum(plan["pools"].values()) <= plan["pool_bytes_available"]
+    assert plan["dense_bytes"] + plan["working_bytes"] + plan["pool_bytes_available"] == plan["budget"]
+    assert sum(plan["expected_hits"].values()) == pytest.approx(2)
+    assert plan["expected_tpot_s"] > plan["expected_sparse_s_per_token"] > 0
+    assert plan["trace"]["source"] == "trace" and plan["trace"]["tokens"] == 300
+    assert plan["profile"]["source"] == "file"
+    singles = [v["expected_tpot_s"] for v in plan["alternatives"].values()]
+    assert plan["expected_tpot_s"] <= min(singles) + 1e-15
+    assert "plans compared" in stdout and "chosen" in stdout
+    # --json prints the same document
+    code, stdout, _ = _run(["plan", path, "--budget", "800K", "--trace", tr, "--profile", prof, "--json", "--workers", "1"], capsys)
+    assert code == 0 and json.loads(stdout)["pools"] == plan["pools"]
+    # the runtime accepts it
+    from zipmoe.runtime.core import read_plan
+
+    assert read_plan(str(out), cid)["pools"] == plan["pools"]
+
+
+def test_plan_without_trace_says_uniform_prior(container, tmp_path, capsys):
+    path, cid = container
+    code, stdout, _ = _run(["plan", path, "--budget", "2M", "--profile", _profile(path, cid, tmp_path), "--workers", "1"], capsys)
+    assert code == 0
+    assert "uniform prior" in " ".join(stdout.split())
+
+
+@pytest.mark.parametrize("budget,needle,exit_code", [("100K", "below the minimum", 1), ("12 parsecs", "cannot read size", 2)])
+def test_bad_budget(container, tmp_path, capsys, budget, needle, exit_code):
+    path, cid = container
+    code, _, err = _run(["plan", path, "--budget", budget, "--profile", _profile(path, cid, tmp_path)], capsys)
+    assert code == exit_code and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_budget(container, capsys):
+    code, _, err = _run(["plan", container[0]], capsys)
+    assert code == 2 and "--budget" in err
+
+
+def test_trace_from_another_model(container, tmp_path, capsys):
+    path, cid = container
+    tr = _trace(tmp_path / "t.jsonl", "0" * 32)
+    code, _, err = _run(["plan", path, "--budget", "1M", "--trace", tr, "--profile", _profile(path, cid, tmp_path)], capsys)
+    assert code == 1 and "another model" in err
+
+
+def test_stale_profile(container, tmp_path, capsys):
+    path, cid = container
+    prof = _profile(path, cid, tmp_path, machine={"hostname": "elsewhere"})
+    code, _, err = _run(["plan", path, "--budget", "1M", "--profile", prof], capsys)
+    assert code == 2 and "stale" in err and "another machine" in err
+    prof = _profile(path, cid, tmp_path, container={"mtime_ns": 1})
+    code, _, err = _run(["plan", path, "--budget", "1M", "--profile", prof], capsys)
+    assert code == 2 and "stale" in err and "changed" in err
+
+
+def test_not_a_container(tmp_path, capsys):
+    bad = tmp_path / "x.zmoe"
+    bad.write_bytes(b"nope" * 100)
+    code, _, err = _run(["plan", bad, "--budget", "1G"], capsys)
+    assert code == 1 and err.startswith("zipmoe: error:")
+
+
+def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(container, tmp_path):
+    from zipmoe.runtime.profile import costs_of, default_profile_path, get_profile
+
+    path, cid = container
+    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True)
+    assert src == "measured" and default_profile_path(cid).exists()
+    assert prof["disk"]["method"] in ("O_DIRECT", "pread+fadvise(DONTNEED)")
+    c = costs_of(prof)
+    assert c.disk_bw > 0 and c.decomp_bw_per_worker > 0 and c.merge_bw > 0 and c.compute_s_per_expert > 0
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "cached"
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
