@@ -62,3 +62,21 @@ def split(u16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sm = np.empty(u16.shape[0], np.uint8)
     split_into(u16, exp, sm)
     return exp, sm
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _histogram_u16(u16, counts):  # pragma: no cover - compiled
+    for i in range(u16.shape[0]):
+        counts[u16[i]] += 1
+
+
+def histogram_u16_into(u16: np.ndarray, counts: np.ndarray) -> None:
+    """Add the values of ``u16`` to a 65536-bin int64 histogram (the joint bf16 bit pattern).
+
+    Sign, exponent and mantissa histograms are its marginals (``counts.reshape(2, 256, 128)``).
+    About 5x faster than ``np.bincount`` on uint16 (which converts to intp first), no temporary.
+    """
+    _check("u16", u16, np.uint16, None)
+    if counts.dtype != np.int64 or counts.shape != (65536,) or not counts.flags.c_contiguous:
+        raise ValueError("counts must be a contiguous int64 array of 65536 bins")
+    _histogram_u16(u16, counts)
