@@ -108,9 +108,9 @@ def disk_bandwidth(path, max_bytes: int = 1 << 30, block: int = 8 << 20) -> dict
         t0 = time.perf_counter()
         while done < todo:
             want = min(block, todo - done)
-            view = memoryview(buf)[:want]
             try:
-                n = os.preadv(fd, [view], done)
+                with memoryview(buf) as whole, whole[:want] as view:
+                    n = os.preadv(fd, [view], done)
             except OSError:
                 if not direct:
                     raise

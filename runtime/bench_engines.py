@@ -4,8 +4,8 @@
 |---|---|---|
 | ``zipmoe`` | the runtime with its plan (+planning) | ``zipmoe.load(container, budget, device, plan=plan.json)`` |
 | ``zipmoe-pools`` | ablation: heterogeneous pools, default split, no plan | ``zipmoe.load(container, budget, device, plan=None)`` |
-| ``zipmoe-basic`` | ablation: basic eviction only (one pool of full tensors) | ``zipmoe.load(..., pools={"full": budget})`` |
-| ``uncompressed`` | the runtime on a container written with codec ``raw`` | ``zipmoe.load(raw_container, budget, device)`` |
+| ``zipmoe-basic`` | ablation: basic eviction only (one pool of full tensors) | ``zipmoe.load(..., plan={"pools": {"full": ...}})`` |
+| ``uncompressed`` | the runtime on a container written with codec ``raw``, full-tensor pool | ``zipmoe.load(raw_container, budget, device, plan={"pools": {"full": ...}})`` |
 | ``accelerate`` | Hugging Face disk offload of the same model | ``from_pretrained(source, device_map="auto", max_memory=..., offload_folder=...)`` |
 | ``resident`` | everything in memory, no budget (the ceiling and the token reference) | ``from_pretrained(source, device_map={"": device})`` |
 
@@ -50,13 +50,17 @@ ENGINES: dict[str, EngineSpec] = {
 BASELINES = ("accelerate", "uncompressed", "resident")
 ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe")
 
-# What each zipmoe engine asks of zipmoe.load beyond (path, budget, device, plan).
-RUNTIME_OPTIONS: dict[str, dict] = {
-    "zipmoe": {},
-    "zipmoe-pools": {},
-    "zipmoe-basic": {"pools": "__full_only__"},  # replaced by {"full": budget_bytes}
-    "uncompressed": {},
+# The plan each zipmoe engine passes to zipmoe.load (a dict is accepted like plan.json; the
+# runtime scales pools larger than what the budget leaves down to it, keeping their shape).
+FULL_ONLY_PLAN = {"pools": {"full": 1 << 60, "compressed": 0, "sm_only": 0, "e_only": 0}}
+ENGINE_PLAN: dict[str, str] = {
+    "zipmoe": "user",  # --plan plan.json (or the runtime's default split when none is given)
+    "zipmoe-pools": "default",  # the runtime's default heterogeneous split
+    "zipmoe-basic": "full_only",  # basic eviction only: one pool of full bf16 tensors
+    "uncompressed": "full_only",  # codec raw: a "compressed" entry would be as large as a full one
 }
+# Options zipmoe.load must accept for the bench (beyond path, budget, device, plan).
+RUNTIME_OPTIONS: dict[str, tuple] = {name: () for name in ENGINE_PLAN}
 
 
 def engine(name: str) -> EngineSpec:
@@ -102,13 +106,27 @@ def check_runtime_options(name: str) -> str | None:
     params = sig.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None  # accepts **kwargs: find out at load time
-    for opt in RUNTIME_OPTIONS.get(name, {}):
+    for opt in RUNTIME_OPTIONS.get(name, ()):
         if opt not in params:
-            return (
-                f"engine {name!r} needs zipmoe.load(..., {opt}=...) which the runtime does not accept yet "
-                f"(wanted: pools={{'full': budget_bytes}} = all of the budget in the full-tensor pool, LFU eviction)"
-            )
+            return f"engine {name!r} needs zipmoe.load(..., {opt}=...) which the runtime does not accept yet"
     return None
+
+
+def engine_plan(name: str, user_plan, container_id: str | None = None):
+    """The ``plan`` argument for a zipmoe engine (a generated plan names its container)."""
+    how = ENGINE_PLAN[name]
+    if how == "user":
+        return str(user_plan) if user_plan else None
+    if how == "full_only":
+        return dict(FULL_ONLY_PLAN, pools=dict(FULL_ONLY_PLAN["pools"]), container_id=container_id, source="zipmoe bench")
+    return None
+
+
+def container_id(path) -> str:
+    from zipmoe.codecs.reader import ContainerReader
+
+    with ContainerReader(path) as r:
+        return r.container_id
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -156,17 +174,19 @@ def load_engine(spec: dict):
 
         fn = zipmoe.load
         kwargs = {}
-        for k, v in RUNTIME_OPTIONS.get(name, {}).items():
-            kwargs[k] = {"full": int(spec["budget"])} if v == "__full_only__" else v
-        plan = spec.get("plan") if name == "zipmoe" else None
+        if spec.get("threads"):
+            kwargs["threads"] = int(spec["threads"])
         path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]
-        try:
-            model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)
-        except TypeError as exc:
-            if kwargs and "unexpected keyword" in str(exc):
-                raise UsageError(f"engine {name!r}: zipmoe.load does not accept {', '.join(kwargs)} yet ({exc})") from None
-            raise
-        return model, getattr(model, "zipmoe", None), {"path": str(path), "options": {k: str(v) for k, v in kwargs.items()}, "plan": plan}
+        plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
+        model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)
+        rt = getattr(model, "zipmoe", None)
+        info = {"path": str(path), "plan": plan if not isinstance(plan, dict) else "full-tensor pool only"}
+        if rt is not None and hasattr(rt, "describe"):
+            try:
+                info["runtime"] = rt.describe()
+            except Exception:
+                pass
+        return model, rt, info
 
     import transformers
 

@@ -203,7 +203,7 @@ def _fmt_budget(b) -> str:
         return "none"
     from zipmoe.units import format_size
 
-    return format_size(b).replace(".00 ", " ")
+    return format_size(b).replace(".00 ", " ").replace("iB", "")
 
 
 def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench"):
@@ -212,20 +212,20 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
 
     rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"]): x for x in rats}
     bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
-    t = Table(title=title, show_lines=False)
-    for col in ("engine", "budget", "batch", "tokens", "TTFT", "TPOT median [min–max]", "tok/s", "MiB read/tok", "floor", "TPOT/floor", "peak RSS"):
-        t.add_column(col, justify="left" if col in ("engine",) else "right")
+    t = Table(title=title, show_lines=False, pad_edge=False)
+    for col in ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS"):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
     for b in bases:
-        t.add_column(f"TPOT vs {b}", justify="right")
+        t.add_column(f"vs {b}", justify="right", no_wrap=True)
     for r in rows:
         tp = r.get("tpot_s")
-        tpot = "–" if tp is None else f"{_fmt_s(tp['median'])} [{_fmt_s(tp['min'])}–{_fmt_s(tp['max'])}]"
         bpt = _med(r, "bytes_per_token")
         rss = _med(r, "peak_rss_run_bytes")
         cells = [
             r["engine"], _fmt_budget(r["budget"]), str(r["batch"]),
             f"{r['generated']}/{r['new_tokens']}" + ("*" if r.get("stopped_by_time_limit") else ""),
-            _fmt_s(_med(r, "ttft_s")), tpot,
+            _fmt_s(_med(r, "ttft_s")), _fmt_s(_med(r, "tpot_s")),
+            "–" if tp is None else f"{_fmt_s(tp['min'])}–{_fmt_s(tp['max'])}",
             "–" if _med(r, "tokens_per_s") is None else f"{_med(r, 'tokens_per_s'):.2f}",
             "–" if bpt is None else f"{bpt / 2**20:.1f}",
             _fmt_s(_med(r, "floor_tpot_s")), _fmt_x(_med(r, "tpot_over_floor")),

@@ -168,9 +168,21 @@ def counter_bytes(counters) -> int | None:
 
 
 def counter_diff(a, b):
-    """b - a for numeric leaves (counters are cumulative; a run's share is the difference)."""
+    """b - a for numeric leaves (counters are cumulative; a run's share is the difference).
+    Uses the runtime's own ``counters.delta`` when it has one."""
+    if a is None:
+        return b
+    try:
+        from .counters import delta
+
+        return delta(b, a)
+    except Exception:
+        return _diff(a, b)
+
+
+def _diff(a, b):
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k: counter_diff(a.get(k), v) for k, v in b.items()}
+        return {k: _diff(a.get(k), v) for k, v in b.items()}
     if isinstance(b, bool):
         return b
     if isinstance(b, (int, float)) and isinstance(a, (int, float)):
@@ -329,8 +341,8 @@ def main() -> int:
         from . import bench_cold, bench_engines
 
         cold_paths = spec.get("cold_paths") or []
-        if spec.get("cold"):
-            doc["cold_mode_load"] = bench_cold.make_cold(cold_paths, spec.get("allow_drop_caches", True))
+        # no cache drop before loading: it would also evict torch's own libraries and time
+        # their re-reading; every measured run below starts cold
         io0 = read_io().get("read_bytes", 0)
         t0 = time.perf_counter()
         model, runtime, info = bench_engines.load_engine(spec)

@@ -1,12 +1,148 @@
-"""`zipmoe bench`: placeholder until its issue lands (see docs/architecture.md)."""
+"""`zipmoe bench`: zipmoe against Accelerate's disk offload (and other baselines), side by side.
+
+The work is in zipmoe.runtime.bench_run (driver), bench_worker (one engine's process),
+bench_engines, bench_cgroup, bench_cold and bench_report; docs/bench.md explains the method.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
 
 from .app import app
 
 
-@app.command(name="bench", help="(not implemented yet)")
-def bench() -> None:
-    from zipmoe.errors import ZipmoeError
+class _Progress:
+    """A rich progress bar over runs (each engine's worker reports each finished run)."""
 
-    raise ZipmoeError("`zipmoe bench` is not implemented yet")
+    def __init__(self, total: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.prog = Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=console, transient=False, disable=not console.is_terminal)
+        self.task = self.prog.add_task("", total=total)
+        self.prog.start()
+
+    def describe(self, text: str) -> None:
+        self.prog.update(self.task, description=text)
+
+    def advance(self, n: int = 1) -> None:
+        if n > 0:
+            self.prog.advance(self.task, n)
+
+    def close(self) -> None:
+        self.prog.stop()
+
+
+def _print_report(doc: dict, plot_path: Optional[Path]) -> None:
+    from rich.console import Console
+
+    from zipmoe.runtime import bench_report
+    from zipmoe.units import format_size
+
+    import sys
+
+    con = Console(width=None if sys.stdout.isatty() else 200)
+    machine = doc.get("machine", {})
+    bw = doc.get("disk_bw") or {}
+    cg = doc.get("cgroup") or {}
+    title = f"zipmoe bench · {Path(doc.get('container', '?')).name} · {doc.get('device')} · {machine.get('gpu') or machine.get('cpu') or ''}"
+    bench_report.render_table(doc.get("summary", []), doc.get("ratios", []), console=con, title=title)
+    notes = []
+    if bw.get("bytes_per_s"):
+        notes.append(f"disk {format_size(bw['bytes_per_s'])}/s ({bw.get('source')}); floor = bytes read per token / disk bandwidth")
+    notes.append(f"cache: {doc.get('cold_mode')}" + ("" if doc.get("cold_mode") != "o_direct" else " (page cache could not be dropped)"))
+    notes.append("memory cgroup: " + (f"v{cg.get('version')}, limit = budget + {format_size(cg.get('slack_bytes') or 0)}" if cg.get("usable") else f"none ({cg.get('reason')})"))
+    tc = doc.get("token_check") or {}
+    if tc:
+        notes.append(tc.get("message", ""))
+    if any(r.get("stopped_by_time_limit") for r in doc.get("summary", [])):
+        notes.append("* stopped by --time-limit: fewer tokens than asked (the comparison is per token)")
+    for n in notes:
+        con.print(f"  {n}", style="dim" if not n.startswith("tokens DIFFER") else "bold red")
+    if plot_path is not None:
+        bench_report.plot(doc.get("summary", []), str(plot_path))
+        con.print(f"  plot: {plot_path}")
+
+
+@app.command(name="bench")
+def bench(
+    file: Optional[Path] = typer.Argument(None, help="The .zmoe container (not needed with --report)."),
+    baseline: List[str] = typer.Option([], "--baseline", help="Baseline to compare with: accelerate, uncompressed, resident (repeatable)."),
+    budget: List[str] = typer.Option([], "--budget", help="Memory budget, e.g. 8G (repeatable)."),
+    batch: str = typer.Option("1", "--batch", help="Batch sizes, comma separated, e.g. 1,4,16."),
+    new_tokens: str = typer.Option("32", "--new-tokens", help="New tokens per run, comma separated, e.g. 32,128."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line (or JSON lines with 'prompt')."),
+    runs: int = typer.Option(3, "--runs", help="Measured runs per engine, budget and case (median, min, max)."),
+    cold: bool = typer.Option(True, "--cold/--warm", help="Drop the page cache before every run (default) or warm it with a first run."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `zipmoe plan` for the zipmoe engine."),
+    source: Optional[Path] = typer.Option(None, "--source", help="The model's safetensors folder for the Hugging Face baselines (else the container is unpacked)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the summary here (kept when something fails)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of time per output token by budget (needs matplotlib: zipmoe[bench])."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident."),
+    ablations: bool = typer.Option(False, "--ablations", help="Also run zipmoe-basic (basic eviction only) and zipmoe-pools (heterogeneous pools, no plan)."),
+    raw_container: Optional[Path] = typer.Option(None, "--raw-container", help="An existing codec-raw .zmoe for 'uncompressed' (else packed from the source once)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),
+    time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
+    min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
+    threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
+    cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Memory on top of the budget for the process itself (default 1.5G on CPU, 3G with CUDA)."),
+    no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
+    disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
+    merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
+) -> None:
+    """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
+    from zipmoe.errors import UsageError
+    from zipmoe.runtime import bench_engines, bench_run
+    from zipmoe.units import parse_size
+
+    if report is not None:
+        doc = bench_run.finalize(bench_run.load_results(report))
+        _print_report(doc, plot)
+        return
+    if file is None:
+        raise UsageError("give the .zmoe container to benchmark (or --report out.json)")
+    for b in baseline:
+        if b not in bench_engines.BASELINES:
+            raise UsageError(f"unknown baseline {b!r}: choose from {', '.join(bench_engines.BASELINES)}")
+    for e in engine:
+        bench_engines.engine(e)
+    if engine:
+        engines = list(dict.fromkeys(engine))
+    else:
+        engines = ["zipmoe"] + (["zipmoe-pools", "zipmoe-basic"] if ablations else []) + list(dict.fromkeys(baseline))
+    if runs < 1:
+        raise UsageError(f"--runs must be at least 1, got {runs}")
+    if min_tokens < 1:
+        raise UsageError(f"--min-tokens must be at least 1, got {min_tokens}")
+    if threads < 0:
+        raise UsageError(f"--threads must not be negative, got {threads}")
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'zipmoe[bench]' (or leave out --plot)") from None
+    cfg = bench_run.BenchConfig(
+        container=file, engines=engines, budgets=[parse_size(b) for b in budget],
+        batches=bench_run.parse_int_list(batch, "--batch"), new_tokens=bench_run.parse_int_list(new_tokens, "--new-tokens"),
+        prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
+        work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
+        cgroup=not no_cgroup, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
+        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container,
+    )
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    doc, errors = bench_run.run_bench(cfg, log=lambda m: err.print(f"[dim]{m}[/dim]"), progress_factory=_Progress)
+    _print_report(doc, plot if doc.get("summary") else None)
+    if json_out is not None:
+        Console().print(f"  results: {json_out}", style="dim")
+    exc = bench_run.first_error_exception(errors)
+    if exc is not None:
+        raise exc

@@ -1,0 +1,563 @@
+"""The `zipmoe bench` driver: prepare inputs, run every engine in its own process, collect.
+
+Flow (one call of :func:`run_bench`):
+
+1. Check the request: the container opens, the device exists, each baseline's packages are
+   installed, the runtime accepts each zipmoe engine's options, budgets parse.
+2. Prepare what the engines read: the source safetensors folder for the Hugging Face engines
+   (``--source``, else the container is unpacked once into the work folder), the codec-raw
+   container for ``uncompressed`` (packed once from the source), token ids of the prompts
+   (tokenised once here, so every engine gets exactly the same ids; left padded).
+3. For each engine and budget: a worker process (runtime/bench_worker.py) inside a fresh
+   memory cgroup limited to ``budget + slack`` (runtime/bench_cgroup.py), cold or warm. Runs are
+   appended to out.json as they finish, so an error or a kill keeps what was measured.
+4. Summarise (runtime/bench_report.py): ratios, I/O floor, token check.
+
+Errors of the user's making (a missing baseline package, a budget an engine cannot run in, a
+GPU requested without one) do not stop the other engines: they are recorded in out.json and
+the first one is raised at the end, as one line, after the table was printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zipmoe.errors import BudgetError, DeviceError, UsageError, ZipmoeError
+from zipmoe.units import format_size
+
+from . import bench_cgroup, bench_cold, bench_engines, bench_report
+
+SCHEMA = "zipmoe-bench/1"
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain in one paragraph why the sky is blue.",
+    "def fibonacci(n):",
+    "List three facts about the Moon:",
+    "Translate to German: The weather is nice today.",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+]
+
+
+@dataclass
+class BenchConfig:
+    container: Path | None
+    engines: list[str]
+    budgets: list[int]
+    batches: list[int] = field(default_factory=lambda: [1])
+    new_tokens: list[int] = field(default_factory=lambda: [32])
+    prompts_file: Path | None = None
+    runs: int = 3
+    cold: bool = True
+    plan: Path | None = None
+    source: Path | None = None
+    json_path: Path | None = None
+    device: str = "auto"
+    work_dir: Path | None = None
+    time_limit_s: float | None = 120.0
+    min_tokens: int = 2
+    threads: int | None = None
+    cgroup: bool = True
+    cgroup_slack: int | None = None
+    disk_bw: float | None = None
+    merge: bool = False
+    raw_container: Path | None = None
+    prompt_tokens: int = 64
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"cannot read {what} {text!r}: give whole numbers separated by commas, e.g. 1,4,16") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise UsageError(f"{what} must be positive whole numbers, got {text!r}")
+    return vals
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"unknown device {device!r}: use auto, cpu or cuda")
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if device == "cuda" and not has_cuda:
+        raise DeviceError("--device cuda but no CUDA GPU is available here (use --device cpu)")
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return device
+
+
+def machine_info(device: str) -> dict:
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+    }
+    try:
+        import psutil
+
+        info["ram_bytes"] = psutil.virtual_memory().total
+    except Exception:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+        import transformers
+
+        info["torch"] = torch.__version__
+        info["transformers"] = transformers.__version__
+        if device == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    except Exception:
+        pass
+    try:
+        import accelerate
+
+        info["accelerate"] = accelerate.__version__
+    except Exception:
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--prompts {p}: no such file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    prompts = []
+    if p.suffix in (".jsonl", ".json"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise UsageError(f"--prompts {p}: line {n} is not JSON (use one JSON object per line, or plain text lines)") from None
+            prompts.append(obj if isinstance(obj, str) else str(obj.get("prompt") or obj.get("text") or ""))
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    prompts = [x for x in prompts if x.strip()]
+    if not prompts:
+        raise UsageError(f"--prompts {p}: no prompts in the file (one per line)")
+    return prompts
+
+
+def load_tokenizer(folder: Path | None):
+    """The model's tokenizer from a folder, or None when it has no tokenizer files."""
+    if folder is None or not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception:
+        return None
+
+
+def tokenize(prompts: list[str], tokenizer, config: dict, max_tokens: int, seed: int) -> tuple[list[list[int]], int, str]:
+    """Token ids per prompt, the pad id, and where the ids came from."""
+    pad = config.get("pad_token_id")
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if tokenizer is not None:
+        ids = [tokenizer(p, add_special_tokens=True)["input_ids"][:max_tokens] for p in prompts]
+        tpad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = tpad if tpad is not None else (pad if pad is not None else (eos if eos is not None else 0))
+        ids = [x if x else [pad] for x in ids]
+        return ids, int(pad), "tokenizer"
+    vocab = int(config.get("vocab_size") or 1000)
+    rng = random.Random(seed)
+    ids = []
+    for i, p in enumerate(prompts):  # deterministic ids of varying length (no tokenizer in the model)
+        n = max(4, min(max_tokens, 8 + (len(p) % 17)))
+        ids.append([rng.randrange(min(vocab, 32000) if vocab > 2 else vocab) for _ in range(n)])
+    return ids, int(pad if pad is not None else (eos if eos is not None else 0)), "synthetic ids (the model has no tokenizer)"
+
+
+def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_tokens: list[int]) -> list[dict]:
+    """One case per (batch, new tokens): rows are prompts taken in order (cycling), left padded."""
+    cases = []
+    for b in batches:
+        rows = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
+        width = max(len(r) for r in rows)
+        ids = [[pad] * (width - len(r)) + r for r in rows]
+        mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+        for n in new_tokens:
+            cases.append({"id": f"b{b}-n{n}", "batch": b, "new_tokens": n, "input_ids": ids, "attention_mask": mask, "pad_token_id": pad})
+    return cases
+
+
+# ----------------------------------------------------------------------------- preparation
+
+
+def _container_info(path: Path) -> tuple[dict, dict, str]:
+    from zipmoe.codecs.reader import ContainerReader
+
+    with ContainerReader(path) as r:
+        return dict(r.config or {}), dict(r.meta or {}), r.container_id
+
+
+def prepare_source(cfg: BenchConfig, work: Path, log) -> Path:
+    """The safetensors folder the Hugging Face engines load: --source, or the container unpacked."""
+    if cfg.source is not None:
+        src = Path(cfg.source)
+        if not (src / "config.json").is_file():
+            raise UsageError(f"--source {src}: not a model folder (no config.json)")
+        return src
+    if cfg.container is None:
+        raise UsageError("the Hugging Face engines need --source DIR or a container to unpack")
+    out = work / "source"
+    stamp = out / ".zipmoe-bench-unpacked"
+    if stamp.exists() and stamp.read_text().strip() == str(cfg.container.stat().st_mtime_ns):
+        return out
+    log(f"unpacking {cfg.container} to {out} for the Hugging Face engines (once)")
+    from zipmoe.codecs.safetensors_out import unpack
+
+    unpack(cfg.container, out, force=True)
+    stamp.write_text(str(cfg.container.stat().st_mtime_ns))
+    return out
+
+
+def prepare_raw_container(cfg: BenchConfig, work: Path, source: Path, log) -> Path:
+    """A codec-raw container of the same model (the `uncompressed` engine), packed once."""
+    if cfg.raw_container is not None:
+        if not Path(cfg.raw_container).is_file():
+            raise UsageError(f"--raw-container {cfg.raw_container}: no such file")
+        return Path(cfg.raw_container)
+    out = work / "raw.zmoe"
+    stamp = work / "raw.zmoe.source"
+    ident = f"{source.resolve()}:{max((p.stat().st_mtime_ns for p in source.glob('*.safetensors')), default=0)}"
+    if out.exists() and stamp.exists() and stamp.read_text() == ident:
+        return out
+    log(f"packing {source} with codec raw to {out} for the 'uncompressed' engine (once)")
+    from zipmoe.codecs.writer import pack
+
+    pack(source, out, codec="raw", force=True)
+    stamp.write_text(ident)
+    return out
+
+
+def default_slack(device: str) -> int:
+    """Memory the engine's process needs beyond the weights' budget: the interpreter, torch,
+    transformers, activations, KV cache (about 0.5 GiB measured on the CPU with a tiny model);
+    the CUDA context adds host memory on a GPU machine."""
+    return (3 << 30) if device == "cuda" else (3 << 29)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on_progress) -> dict:
+    """Run one engine's worker process (inside a memory cgroup when possible); its JSON doc."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cg = None
+    if cgroup_support is not None and limit is not None:
+        cg = bench_cgroup.MemoryCgroup(cgroup_support, limit)
+        env.update(cg.env())
+    result_path = Path(spec["result_path"])
+    if result_path.exists():
+        result_path.unlink()
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "zipmoe.runtime.bench_worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+            def pump():
+                for line in proc.stderr:
+                    if line.startswith("@@progress"):
+                        on_progress()
+                    else:
+                        log.write(line)
+
+            t = threading.Thread(target=pump, daemon=True)
+            t.start()
+            proc.stdin.write(json.dumps(spec))
+            proc.stdin.close()
+            out = proc.stdout.read()
+            rc = proc.wait()
+            t.join(timeout=5)
+        doc = None
+        for line in reversed(out.strip().splitlines()):
+            try:
+                doc = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+        if doc is None:  # killed: rebuild what it finished from the per-run file
+            runs = []
+            if result_path.exists():
+                runs = [json.loads(x) for x in result_path.read_text().splitlines() if x.strip()]
+            doc = {"engine": spec["engine"], "budget": spec.get("budget"), "ok": False, "runs": runs,
+                   "error": f"worker exited with status {rc} and no report", "error_type": "Killed" if rc < 0 else "Crashed"}
+        doc["returncode"] = rc
+        doc["wall_s"] = time.perf_counter() - t0
+        doc["log"] = str(log_path)
+        if cg is not None:
+            doc["cgroup_stats"] = cg.stats()
+            if doc["cgroup_stats"].get("oom_kills") or (rc in (-9, 137) and not doc.get("ok")):
+                doc["error_type"] = "OOMKilled"
+                doc["error"] = (f"engine {spec['engine']} cannot run in budget {format_size(spec['budget'])}: killed by the memory cgroup "
+                                f"at {format_size(limit)} (budget + slack; raise --cgroup-slack if the slack is too small)")
+                doc["user_error"] = True
+        return doc
+    finally:
+        if cg is not None:
+            cg.close()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _write_json(path: Path | None, doc: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def _runs_of(results: list[dict]) -> list[dict]:
+    return [r for doc in results for r in doc.get("runs", [])]
+
+
+def finalize(doc: dict) -> dict:
+    """(Re)compute summary, ratios and token check from the recorded runs."""
+    runs = _runs_of(doc.get("results", []))
+    bw = (doc.get("disk_bw") or {}).get("bytes_per_s")
+    rows = bench_report.summarize(runs, bw)
+    doc["summary"] = rows
+    doc["ratios"] = bench_report.ratios(rows)
+    doc["token_check"] = bench_report.token_check(runs)
+    return doc
+
+
+def load_results(path: Path) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except json.JSONDecodeError:
+        raise UsageError(f"{path}: not a zipmoe bench JSON file") from None
+    if doc.get("schema") != SCHEMA:
+        raise UsageError(f"{path}: not a zipmoe bench JSON file (schema {doc.get('schema')!r})")
+    return doc
+
+
+def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
+    """(engine, budget) pairs in run order; resident once, without a budget."""
+    work = []
+    for eng in cfg.engines:
+        if bench_engines.engine(eng).budgeted:
+            work += [(eng, b) for b in cfg.budgets]
+        else:
+            work.append((eng, None))
+    return work
+
+
+def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict, list[str]]:
+    """Run everything; returns (the out.json document, errors as one-line strings)."""
+    errors: list[str] = []
+    device = resolve_device(cfg.device)
+    for eng in cfg.engines:
+        bench_engines.engine(eng)
+    if cfg.container is None or not Path(cfg.container).is_file():
+        raise UsageError(f"{cfg.container}: no such .zmoe file")
+    if cfg.plan is not None and not Path(cfg.plan).is_file():
+        raise UsageError(f"--plan {cfg.plan}: no such file")
+    if not cfg.budgets and any(bench_engines.engine(e).budgeted for e in cfg.engines):
+        raise UsageError("give at least one --budget SIZE (e.g. --budget 8G)")
+    config, meta, cid = _container_info(cfg.container)
+    work = Path(cfg.work_dir) if cfg.work_dir else Path(cfg.container).with_name(Path(cfg.container).stem + ".bench")
+    work.mkdir(parents=True, exist_ok=True)
+
+    prev = None
+    if cfg.merge and cfg.json_path is not None and Path(cfg.json_path).exists():
+        prev = load_results(cfg.json_path)
+    doc = prev or {"schema": SCHEMA, "results": [], "errors": []}
+    doc.update({
+        "schema": SCHEMA,
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "container": str(cfg.container), "container_id": cid, "model": meta.get("model"),
+        "device": device, "machine": machine_info(device),
+    })
+    doc.setdefault("configs", []).append({
+        "engines": cfg.engines, "budgets": cfg.budgets, "batches": cfg.batches, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
+        "cold": cfg.cold, "plan": str(cfg.plan) if cfg.plan else None, "time_limit_s": cfg.time_limit_s, "threads": cfg.threads,
+    })
+
+    # engines that cannot run at all: say why, keep going with the others
+    runnable = []
+    for eng in cfg.engines:
+        why = bench_engines.missing_extra(eng) or bench_engines.check_runtime_options(eng)
+        if why:
+            errors.append(why)
+            doc["errors"].append({"engine": eng, "error": why})
+        else:
+            runnable.append(eng)
+    if "zipmoe" in runnable and cfg.plan is None:
+        log("note: no --plan given: the 'zipmoe' engine runs with the runtime's default pool split")
+
+    # cgroup
+    support = bench_cgroup.detect() if cfg.cgroup else bench_cgroup.CgroupSupport(False, reason="disabled with --no-cgroup")
+    doc["cgroup"] = support.to_dict()
+    if not support.usable:
+        log(f"note: no memory cgroup ({support.reason}); budgets are enforced by the engines' own limits only")
+    slack = cfg.cgroup_slack if cfg.cgroup_slack is not None else default_slack(device)
+    doc["cgroup"]["slack_bytes"] = slack
+
+    # what the engines read
+    needs_source = any(bench_engines.engine(e).needs == "source" for e in runnable) or (
+        "uncompressed" in runnable and cfg.raw_container is None)
+    source = raw = None
+    def _drop(which: str, exc: ZipmoeError) -> list[str]:
+        msg = str(exc).splitlines()[0]
+        errors.append(msg)
+        doc["errors"].append({"engine": "prepare", "error": msg})
+        return [e for e in runnable if bench_engines.engine(e).needs not in which]
+
+    if needs_source:
+        try:
+            source = prepare_source(cfg, work, log)
+        except ZipmoeError as exc:
+            runnable = _drop(("source", "raw_container"), exc)
+    if "uncompressed" in runnable:
+        try:
+            raw = prepare_raw_container(cfg, work, source, log)
+        except ZipmoeError as exc:
+            runnable = _drop(("raw_container",), exc)
+
+    # disk bandwidth for the floor
+    bw = None
+    if cfg.disk_bw:
+        bw = {"bytes_per_s": float(cfg.disk_bw), "source": "--disk-bw"}
+    else:
+        bw = bench_cold.profile_bandwidth(cfg.container)
+        if bw is None:
+            bench_cold.make_cold([cfg.container])
+            m = bench_cold.disk_bandwidth(cfg.container)
+            bw = {"bytes_per_s": m["bytes_per_s"], "source": "measured by bench: sequential " + ("O_DIRECT" if m["o_direct"] else "buffered (cache dropped)") + f" read of {format_size(m['bytes'])} of the container"}
+    doc["disk_bw"] = bw
+
+    tok_folder = source
+    tmp_tok = None
+    if tok_folder is None:  # tokenizer files from the container
+        tmp_tok = work / "tokenizer"
+        tmp_tok.mkdir(exist_ok=True)
+        try:
+            from zipmoe.codecs.reader import ContainerReader
+
+            with ContainerReader(cfg.container) as r:
+                for name in r.files:
+                    if "/" not in name:
+                        (tmp_tok / name).write_bytes(r.read_file(name))
+        except Exception:
+            pass
+        tok_folder = tmp_tok
+    prompts = read_prompts(cfg.prompts_file)
+    ids, pad, origin = tokenize(prompts, load_tokenizer(tok_folder), config, cfg.prompt_tokens, cfg.seed)
+    cases = make_cases(ids, pad, cfg.batches, cfg.new_tokens)
+    doc["prompts"] = {"count": len(prompts), "source": str(cfg.prompts_file) if cfg.prompts_file else "built-in", "ids": origin,
+                      "prompt_tokens": [len(x) for x in ids]}
+
+    cold_paths = [p for p in (cfg.container, raw, source, work / "offload") if p is not None]
+    doc["cold_mode"] = bench_cold.cold_mode_available(cold_paths) if cfg.cold else "warm"
+    if cfg.cold and doc["cold_mode"] == "o_direct":
+        log("note: cannot drop the page cache here: only engines that read with O_DIRECT (zipmoe) are cold")
+
+    pairs = [(e, b) for e, b in plan_work(cfg) if e in runnable]
+    total = len(pairs) * len(cases) * cfg.runs
+    prog = progress_factory(total) if progress_factory else None
+    new_results = []
+    _write_json(cfg.json_path, finalize(doc))
+    try:
+        for eng, budget in pairs:
+            label = f"{eng}" + (f" @ {format_size(budget)}" if budget else "")
+            if prog:
+                prog.describe(label)
+            spec = {
+                "engine": eng, "device": device, "budget": budget, "container": str(cfg.container),
+                "raw_container": str(raw) if raw else None, "source": str(source) if source else None,
+                "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
+                "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
+                "warmup": True, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
+                "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
+            }
+            limit = budget + slack if (support.usable and budget is not None) else None
+            res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
+                             (lambda: prog.advance()) if prog else (lambda: None))
+            res["cgroup_limit_bytes"] = limit
+            # replace an earlier result for the same engine/budget (a re-run with --merge)
+            doc["results"] = [d for d in doc["results"] if not (d.get("engine") == eng and d.get("budget") == budget)]
+            doc["results"].append(res)
+            new_results.append(res)
+            if not res.get("ok"):
+                msg = res.get("error") or "failed"
+                if not msg.startswith("engine "):
+                    msg = f"engine {label}: {msg}"
+                if res.get("error_type") in ("MemoryError",) and budget is not None:
+                    msg = f"engine {eng} cannot run in budget {format_size(budget)}: {res.get('error')}"
+                if not res.get("user_error"):
+                    msg += f" (log: {res.get('log')})"
+                errors.append(msg)
+                doc["errors"].append({"engine": eng, "budget": budget, "error": msg})
+                if prog:  # skip the missing steps
+                    prog.advance(len(cases) * cfg.runs - len(res.get("runs", [])))
+            _write_json(cfg.json_path, finalize(doc))
+    finally:
+        if prog:
+            prog.close()
+        doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        _write_json(cfg.json_path, finalize(doc))
+        if tmp_tok is not None:
+            import shutil
+
+            shutil.rmtree(tmp_tok, ignore_errors=True)
+    return doc, errors
+
+
+def first_error_exception(errors: list[str]) -> ZipmoeError | None:
+    if not errors:
+        return None
+    msg = errors[0] + (f" (and {len(errors) - 1} more, see the JSON)" if len(errors) > 1 else "")
+    if "cannot run in budget" in errors[0]:
+        return BudgetError(msg)
+    return ZipmoeError(msg)
