@@ -1,0 +1,276 @@
+"""`zipmoe bench` without running engines: report math, cgroup detection, cold modes, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from zipmoe.errors import UsageError
+from zipmoe.runtime import bench_cgroup, bench_cold, bench_engines, bench_report, bench_run
+
+
+# ----------------------------------------------------------------------------- report math
+
+
+def _run(engine, budget, tpot, ttft=0.5, batch=1, n=5, gen=None, eng_bytes=None, io_bytes=None, tokens=None, case="b1-n5"):
+    gen = n if gen is None else gen
+    return {"engine": engine, "budget": budget, "batch": batch, "new_tokens": n, "generated": gen, "case": case,
+            "tpot_s": tpot, "ttft_s": ttft, "e2e_s": ttft + tpot * (gen - 1), "tokens_per_s": batch * gen / (ttft + tpot * (gen - 1)),
+            "decode_bytes_read_engine": eng_bytes, "decode_bytes_read_io": io_bytes, "peak_rss_run_bytes": 100,
+            "tokens": tokens if tokens is not None else [[1, 2, 3, 4, 5][:gen]] * batch}
+
+
+def test_stats_median_min_max():
+    s = bench_report.stats([3.0, 1.0, 2.0, None])
+    assert s == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert bench_report.stats([None]) is None
+
+
+def test_floor_uses_engine_counters_then_proc_io():
+    # 4 decode tokens after the first; the runtime says 400 MB were fetched while decoding
+    r = _run("zipmoe", 1 << 30, 0.125, eng_bytes=400_000_000, io_bytes=999)
+    assert bench_report.bytes_per_token(r) == 100_000_000
+    assert bench_report.io_floor_tpot(100_000_000, 1e9) == pytest.approx(0.1)
+    e = bench_report.enrich(r, 1e9)
+    assert e["floor_tpot_s"] == pytest.approx(0.1)
+    assert e["tpot_over_floor"] == pytest.approx(1.25)
+    # no runtime counters (a Hugging Face engine): /proc/self/io
+    r2 = _run("accelerate", 1 << 30, 1.0, io_bytes=4_000)
+    assert bench_report.bytes_per_token(r2) == 1_000
+    # no bandwidth known, or one token only: no floor
+    assert bench_report.io_floor_tpot(1.0, None) is None
+    assert bench_report.bytes_per_token(_run("zipmoe", 1, 0.1, gen=1, eng_bytes=5)) is None
+
+
+def test_summary_and_ratios_against_each_baseline():
+    G = 1 << 30
+    runs = [
+        _run("zipmoe", G, 0.10), _run("zipmoe", G, 0.12), _run("zipmoe", G, 0.30),
+        _run("accelerate", G, 2.0), _run("accelerate", G, 1.0),
+        _run("uncompressed", G, 0.15),
+        _run("resident", None, 0.05),
+        _run("zipmoe", 2 * G, 0.08),
+    ]
+    rows = bench_report.summarize(runs, disk_bw=None)
+    z = next(r for r in rows if r["engine"] == "zipmoe" and r["budget"] == G)
+    assert z["runs"] == 3 and z["tpot_s"]["median"] == pytest.approx(0.12)
+    assert z["tpot_s"]["min"] == pytest.approx(0.10) and z["tpot_s"]["max"] == pytest.approx(0.30)
+    rats = {(x["engine"], x["baseline"], x["budget"]): x for x in bench_report.ratios(rows)}
+    assert rats[("zipmoe", "accelerate", G)]["tpot_x"] == pytest.approx(1.5 / 0.12)
+    assert rats[("zipmoe", "uncompressed", G)]["tpot_x"] == pytest.approx(0.15 / 0.12)
+    # resident has no budget: compared at every budget
+    assert rats[("zipmoe", "resident", G)]["tpot_x"] == pytest.approx(0.05 / 0.12)
+    assert rats[("zipmoe", "resident", 2 * G)]["tpot_x"] == pytest.approx(0.05 / 0.08)
+    assert ("zipmoe", "accelerate", 2 * G) not in rats  # no accelerate run at 2G
+    assert all(x["engine"] in bench_report.ZIPMOE_ENGINES for x in rats.values())
+
+
+def test_token_check_common_prefix_and_mismatch():
+    same = [_run("resident", None, 0.1, tokens=[[1, 2, 3, 4, 5]]), _run("accelerate", 1, 1.0, gen=2, tokens=[[1, 2]]),
+            _run("zipmoe", 1, 0.1, tokens=[[1, 2, 3, 4, 5]])]
+    tc = bench_report.token_check(same)
+    assert tc["same"] and tc["compared"] == 2
+    bad = same + [_run("uncompressed", 1, 0.1, tokens=[[1, 2, 9, 4, 5]])]
+    tc = bench_report.token_check(bad)
+    assert not tc["same"]
+    assert tc["mismatches"][0]["first_difference_at"] == 2 and tc["mismatches"][0]["reference"].startswith("resident")
+    assert "DIFFER" in tc["message"]
+    assert bench_report.token_check([_run("zipmoe", 1, 0.1)])["compared"] == 0
+
+
+def test_render_table_and_plot_message(monkeypatch):
+    from rich.console import Console
+
+    runs = [_run("zipmoe", 1 << 30, 0.1, eng_bytes=10 << 20), _run("accelerate", 1 << 30, 1.0)]
+    rows = bench_report.summarize(runs, 1e9)
+    con = Console(width=250, record=True)
+    bench_report.render_table(rows, bench_report.ratios(rows), console=con)
+    text = con.export_text()
+    assert "vs accelerate" in text and "10.00x" in text
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(UsageError, match=r"zipmoe\[bench\]"):
+        bench_report.plot(rows, "x.png")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_cases_left_padded_and_prompts(tmp_path):
+    cases = bench_run.make_cases([[5, 6, 7], [8]], pad=0, batches=[1, 3], new_tokens=[4, 8])
+    assert [c["id"] for c in cases] == ["b1-n4", "b1-n8", "b3-n4", "b3-n8"]
+    c = cases[2]
+    assert c["input_ids"] == [[5, 6, 7], [0, 0, 8], [5, 6, 7]]
+    assert c["attention_mask"] == [[1, 1, 1], [0, 0, 1], [1, 1, 1]]
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "a b"}\n\n"plain"\n')
+    assert bench_run.read_prompts(p) == ["a b", "plain"]
+    with pytest.raises(UsageError, match="no such file"):
+        bench_run.read_prompts(tmp_path / "missing.txt")
+    ids, pad, origin = bench_run.tokenize(["x", "yy"], None, {"vocab_size": 50, "pad_token_id": 3}, 64, 0)
+    assert pad == 3 and "synthetic" in origin and all(0 <= t < 50 for row in ids for t in row)
+    assert bench_run.tokenize(["x", "yy"], None, {"vocab_size": 50}, 64, 0)[0] == ids  # deterministic
+
+
+def test_parse_lists_and_engines():
+    assert bench_run.parse_int_list("1,4, 16", "--batch") == [1, 4, 16]
+    for bad in ("", "a", "0", "1,-2"):
+        with pytest.raises(UsageError):
+            bench_run.parse_int_list(bad, "--batch")
+    with pytest.raises(UsageError, match="unknown engine"):
+        bench_engines.engine("deepspeed")
+    cfg = bench_run.BenchConfig(container=None, engines=["zipmoe", "resident", "accelerate"], budgets=[1, 2])
+    assert bench_run.plan_work(cfg) == [("zipmoe", 1), ("zipmoe", 2), ("resident", None), ("accelerate", 1), ("accelerate", 2)]
+    assert bench_engines.hf_max_memory(100, "cuda") == {0: 100, "cpu": 0}
+    assert bench_engines.hf_max_memory(100, "cpu") == {"cpu": 100}
+    p = bench_engines.engine_plan("zipmoe-basic", None, "abc")
+    assert p["container_id"] == "abc" and p["pools"]["compressed"] == 0 and p["pools"]["full"] > 0
+    assert bench_engines.engine_plan("zipmoe-pools", "plan.json") is None
+    assert bench_engines.engine_plan("zipmoe", "plan.json") == "plan.json"
+
+
+def test_missing_accelerate_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    msg = bench_engines.missing_extra("accelerate")
+    assert "pip install 'zipmoe[bench]'" in msg
+    assert bench_engines.missing_extra("resident") is None
+
+
+# ----------------------------------------------------------------------------- cgroups
+
+
+V1_MOUNTS = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / {v1} rw,relatime - cgroup cgroup rw,memory
+41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw
+"""
+V2_ONLY = "41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw\n"
+
+
+def test_detect_v1_memory_controller(tmp_path):
+    v1 = tmp_path / "memory"
+    (v1 / "sessions" / "me").mkdir(parents=True)
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("hugetlb\n")
+    s = bench_cgroup.detect(V1_MOUNTS.format(v1=v1, v2=v2), "4:memory:/sessions/me\n0::/\n", probe=False)
+    assert s.usable and s.version == 1 and s.parent == str(v1 / "sessions" / "me")
+    assert any("no memory controller" in n for n in s.notes)
+
+
+def test_detect_v2_and_its_failures(tmp_path):
+    v2 = tmp_path / "cg2"
+    me = v2 / "user" / "me"
+    me.mkdir(parents=True)
+    (me / "cgroup.controllers").write_text("cpu memory pids\n")
+    (me / "cgroup.subtree_control").write_text("memory\n")
+    s = bench_cgroup.detect(V2_ONLY.format(v2=v2), "0::/user/me\n", probe=False)
+    assert s.usable and s.version == 2 and s.parent == str(me)
+    (me / "cgroup.controllers").write_text("cpu pids\n")
+    s = bench_cgroup.detect(V2_ONLY.format(v2=v2), "0::/user/me\n", probe=False)
+    assert not s.usable and "no memory" in s.reason
+    s = bench_cgroup.detect("", "0::/\n", probe=False)
+    assert not s.usable and "no memory cgroup" in s.reason
+    s = bench_cgroup.detect(V2_ONLY.format(v2=v2), "0::/not/there\n", probe=False)
+    assert not s.usable
+
+
+@pytest.mark.skipif(not bench_cgroup.detect().usable, reason="no writable memory cgroup on this machine")
+def test_real_cgroup_create_limit_remove():
+    support = bench_cgroup.detect()
+    with bench_cgroup.MemoryCgroup(support, 64 << 20) as cg:
+        assert cg.path.is_dir()
+        st = cg.stats()
+        assert st["limit_bytes"] == 64 << 20 and st["oom_kills"] == 0
+        assert cg.env()[bench_cgroup.ENV_CGROUP] == str(cg.path)
+    assert not cg.path.exists()
+
+
+def test_cold_modes_and_bandwidth(tmp_path):
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(3 << 20))
+    assert bench_cold.fadvise_dontneed([tmp_path]) == 1
+    mode = bench_cold.make_cold([f], allow_drop_caches=False)
+    assert mode == "fadvise"
+    assert bench_cold.cold_mode_available([f]) in ("drop_caches", "fadvise")
+    bw = bench_cold.disk_bandwidth(f, max_bytes=2 << 20, block=1 << 20)
+    assert bw["bytes"] == 2 << 20 and bw["bytes_per_s"] > 0
+    assert bench_cold._field({"costs": {"disk_bw": 5.0}}, ("disk_bw",)) == 5.0
+
+
+# ----------------------------------------------------------------------------- CLI errors
+
+
+def _cli(argv, capsys):
+    from zipmoe_cli.app import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return exc.value.code, err
+
+
+def test_cli_bad_input_one_line(capsys, tmp_path):
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--baseline", "deepspeed", "--budget", "1G"], capsys)
+    assert code == 2 and len(err) == 1 and "unknown baseline 'deepspeed'" in err[0]
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "lots"], capsys)
+    assert code == 2 and "cannot read size" in err[0]
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--batch", "1,x"], capsys)
+    assert code == 2 and "--batch" in err[0]
+    code, err = _cli(["bench", "--report", str(tmp_path / "none.json")], capsys)
+    assert code == 2 and "no such file" in err[0]
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--device", "cpu"], capsys)
+    assert code == 2 and "no such .zmoe" in err[0]
+
+
+def test_cli_cuda_without_gpu(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--device", "cuda"], capsys)
+    assert code == 1 and len(err) == 1 and "no CUDA GPU" in err[0]
+
+
+def test_cli_plot_without_matplotlib(capsys, tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+
+        pytest.skip("matplotlib is installed")
+    except ImportError:
+        pass
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--plot", str(tmp_path / "p.png")], capsys)
+    assert code == 2 and "pip install 'zipmoe[bench]'" in err[0]
+
+
+def test_report_only_roundtrip(tmp_path, capsys):
+    G = 1 << 30
+    doc = {"schema": bench_run.SCHEMA, "container": "m.zmoe", "device": "cpu", "disk_bw": {"bytes_per_s": 1e9, "source": "test"},
+           "cgroup": {"usable": False, "reason": "test"}, "cold_mode": "fadvise",
+           "results": [{"engine": "zipmoe", "budget": G, "runs": [_run("zipmoe", G, 0.1, eng_bytes=4e8)]},
+                       {"engine": "accelerate", "budget": G, "runs": [_run("accelerate", G, 1.0)]}]}
+    p = tmp_path / "out.json"
+    p.write_text(json.dumps(doc))
+    from zipmoe_cli.app import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--report", str(p)])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "10.00x" in out and "same greedy tokens" in out
+    done = bench_run.finalize(json.loads(p.read_text()))
+    assert done["ratios"][0]["tpot_x"] == pytest.approx(10.0)
+    assert done["summary"][0]["floor_tpot_s"]["median"] == pytest.approx(0.1)
