@@ -182,7 +182,9 @@ class Checkpoint:
     """
 
     def __init__(self, root: Path, files: list[Path], tensors: list[SourceTensor],
-                 config: dict | None, extra_files: dict[str, Path], metadata: dict[Path, dict]):
+                 config: dict | None, extra_files: dict[str, Path], metadata: dict[Path, dict],
+                 path: Path | None = None):
+        self.path = path if path is not None else root  # what the caller opened
         self.root = root
         self.files = files
         self.tensors = tensors
@@ -354,4 +356,4 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         tensors.extend(ts)
     if p.is_dir():
         _check_index(p, tensors)
-    return Checkpoint(root, files, tensors, config, extra, metadata)
+    return Checkpoint(root, files, tensors, config, extra, metadata, path=p)

@@ -362,7 +362,7 @@ def analyze_checkpoint(ck: Checkpoint, measure: bool = False, codecs: Iterable[s
         reports.append(r)
         if on_tensor is not None:
             on_tensor(i, len(ck.tensors), r)
-    return Analysis(str(ck.root if len(ck.files) != 1 or ck.config is not None else ck.files[0]),
+    return Analysis(str(getattr(ck, "path", ck.root)),
                     ck.model_type, reports, total, by_role, [c.id for c in codec_objs], shard_size,
                     time.perf_counter() - t_start)
 
