@@ -226,3 +226,29 @@ def test_no_space_left_through_the_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "write", real)
     assert_one_line_error(code, err, "no space left")
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_no_space_left_during_unpack_leaves_nothing(packed, capsys, monkeypatch):
+    import builtins
+
+    from zipmoe.codecs import safetensors_out
+
+    class FullDisk:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def fake_open(path, mode="r", *a, **k):
+        f = builtins.open(path, mode, *a, **k)
+        return FullDisk(f) if "w" in mode else f
+
+    monkeypatch.setattr(safetensors_out, "open", fake_open, raising=False)
+    code, _, err = run(capsys, "unpack", packed, "-o", packed.parent / "restored")
+    assert_one_line_error(code, err, "no space left")
+    assert not (packed.parent / "restored").exists()
+    assert not [p for p in os.listdir(packed.parent) if "zipmoe-unpack" in p]
