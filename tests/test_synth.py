@@ -1,0 +1,227 @@
+"""`zipmoe synth`: every family's tiny preset loads in transformers and runs; the bytes on disk
+are what transformers loads (split and fused layouts); determinism; skew; bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from zipmoe.errors import OutOfSpaceError, UsageError
+from zipmoe.runtime import synth
+from zipmoe.runtime.synth.routing import expert_counts, popularity_stats
+
+FAMILIES = list(synth.FAMILIES)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _load(path: Path, family: str):
+    import transformers
+
+    cls = getattr(transformers, synth.FAMILIES[family].model_class)
+    if family == "switch_transformers":
+        return cls.from_pretrained(path)
+    return cls.from_pretrained(path, experts_implementation="eager")
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+_EXPERT = re.compile(r"^(.*)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _model_view(model, disk_name: str) -> torch.Tensor:
+    """The slice of the loaded model that a disk tensor should have become."""
+    params = dict(model.named_parameters())
+    m = _EXPERT.match(disk_name)
+    if m:
+        base, _, e, proj = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+        gate_up = params[f"{base}.mlp.experts.gate_up_proj"]
+        half = gate_up.shape[1] // 2
+        if proj in ("w1", "gate_proj"):
+            return gate_up[e, :half]
+        if proj in ("w3", "up_proj"):
+            return gate_up[e, half:]
+        return params[f"{base}.mlp.experts.down_proj"][e]
+    return params[disk_name.replace(".block_sparse_moe.", ".mlp.")]
+
+
+def _assert_loaded_equals_disk(model, path: Path) -> None:
+    disk = _read_all(path)
+    covered = 0
+    for name, t in disk.items():
+        got = _model_view(model, name)
+        assert got.shape == t.shape, name
+        assert torch.equal(got.detach(), t), f"{name}: loaded value differs from the file"
+        covered += t.numel()
+    assert covered == sum(p.numel() for p in model.parameters()), "some parameters were not in the files"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_loads_runs_and_generates(tmp_path, family):
+    r = synth.write(family, tmp_path / "m", progress=False)
+    assert r.params > 0 and (tmp_path / "m" / "config.json").is_file()
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["zipmoe_synth"]["family"] == family
+    assert 2.4 < r.entropy("per_tensor") < 2.9
+    model = _load(tmp_path / "m", family)
+    _assert_loaded_equals_disk(model, tmp_path / "m")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    ids = tok("The quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        if family == "switch_transformers":
+            out = model(input_ids=ids, decoder_input_ids=ids[:, :3])
+        else:
+            out = model(input_ids=ids)
+        assert torch.isfinite(out.logits).all()
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert gen.shape[1] >= 4
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
+def test_fused_layout_loads_to_same_model(tmp_path, family):
+    synth.write(family, tmp_path / "s", progress=False)
+    r = synth.write(family, tmp_path / "f", layout="fused", progress=False)
+    names = set(_read_all(tmp_path / "f"))
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    assert not any(".experts.0." in n for n in names)
+    a, b = _load(tmp_path / "s", family), _load(tmp_path / "f", family)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    assert r.nbytes == sum(p.numel() for p in b.parameters()) * 2
+
+
+def test_switch_has_no_fused_layout(tmp_path):
+    with pytest.raises(UsageError, match="no fused layout"):
+        synth.write("switch_transformers", tmp_path / "x", layout="fused", progress=False)
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_deterministic_by_seed(tmp_path):
+    a = synth.write("qwen3_moe", tmp_path / "a", seed=7, progress=False)
+    b = synth.write("qwen3_moe", tmp_path / "b", seed=7, progress=False)
+    c = synth.write("qwen3_moe", tmp_path / "c", seed=8, progress=False)
+    assert _digest(a.path) == _digest(b.path)
+    assert _digest(a.path)["model.safetensors"] != _digest(c.path)["model.safetensors"]
+
+
+def test_sharded_output_has_index(tmp_path):
+    r = synth.write("olmoe", tmp_path / "m", max_shard_bytes=200_000, progress=False)
+    index = json.loads((r.path / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in r.path.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == r.nbytes
+    model = _load(r.path, "olmoe")
+    _assert_loaded_equals_disk(model, r.path)
+
+
+def _popularity(path: Path, family: str) -> dict:
+    model = _load(path, family)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 261, (4, 64), generator=g)
+    k = getattr(model.config, "num_experts_per_tok", 1)
+    counts = expert_counts(model, k, lambda: model(input_ids=ids))
+    return popularity_stats(counts)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_skew_changes_expert_popularity(tmp_path, family):
+    flat = _popularity(synth.write(family, tmp_path / "s0", skew=0.0, progress=False).path, family)
+    hot = _popularity(synth.write(family, tmp_path / "s2", skew=2.0, progress=False).path, family)
+    # 8 experts, top-2, 256 tokens: skew 0 is near uniform, skew 2 concentrates on a few experts.
+    assert flat["entropy"] > 0.9
+    assert hot["entropy"] < flat["entropy"] - 0.2
+    assert hot["top_share"] > flat["top_share"] + 0.1
+
+
+def test_student_t_has_heavier_tails(tmp_path):
+    n = synth.write("mixtral", tmp_path / "n", progress=False)
+    t = synth.write("mixtral", tmp_path / "t", dist="student-t", progress=False)
+    assert t.entropy("per_tensor") > n.entropy("per_tensor")
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    with pytest.raises(UsageError, match="mixtral.*qwen2_moe"):
+        synth.write("llama", tmp_path / "x")
+    with pytest.raises(UsageError, match="tiny"):
+        synth.write("mixtral", tmp_path / "x", preset="huge")
+    with pytest.raises(UsageError, match="bf16"):
+        synth.write("mixtral", tmp_path / "x", dtype="fp8")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("x")
+    with pytest.raises(UsageError, match="--force"):
+        synth.write("mixtral", full, progress=False)
+    assert (full / "keep.txt").read_text() == "x"
+    r = synth.write("mixtral", full, force=True, progress=False)
+    assert not (full / "keep.txt").exists() and (r.path / "model.safetensors").is_file()
+
+    import shutil
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1 << 40, 1 << 40, 1 << 20))
+    with pytest.raises(OutOfSpaceError, match=r"needs .*GiB, 1.00 MiB free"):
+        synth.write("mixtral", tmp_path / "big", preset="mixtral-8x7b")
+    assert not (tmp_path / "big").exists()
+    assert not list(tmp_path.glob(".big*"))
+
+
+def test_crash_leaves_nothing(tmp_path, monkeypatch):
+    from zipmoe.runtime.synth import shards
+
+    def boom(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards.ShardWriter, "write", boom)
+    with pytest.raises(OutOfSpaceError, match="disk full"):
+        synth.write("mixtral", tmp_path / "m", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_presets_and_table():
+    assert synth.presets("qwen2_moe")[0] == "tiny"
+    assert "qwen1.5-moe-a2.7b" in synth.presets("qwen2_moe")
+    rows = {(r["family"], r["preset"]): r for r in synth.preset_table("qwen2_moe")}
+    assert abs(rows[("qwen2_moe", "qwen1.5-moe-a2.7b")]["params"] / 1e9 - 14.3) < 0.1
+
+
+def test_cli_list_and_errors(tmp_path, capsys):
+    from zipmoe_cli.app import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["synth", "nope", "-o", str(tmp_path / "x")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown family 'nope'" in err and "switch_transformers" in err
+    main(["synth", "mixtral", "-o", str(tmp_path / "m"), "--seed", "3"])
+    out = capsys.readouterr().out
+    assert "exponent entropy" in out and (tmp_path / "m" / "model.safetensors").is_file()
+    main(["synth", "--list", "mixtral"])
+    assert "mixtral-8x7b" in capsys.readouterr().out
