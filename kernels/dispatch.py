@@ -4,7 +4,8 @@
 
 - numpy arrays, or CPU torch tensors: the numba loop :func:`zipmoe.kernels.cpu.merge_into` on
   their numpy views (no copy; torch tensors share memory with the views);
-- CUDA torch tensors: the Triton kernel :func:`zipmoe.kernels.triton_merge.merge_cuda`.
+- CUDA torch tensors: the Triton kernel :func:`zipmoe.kernels.triton_merge.merge_cuda`
+  (where triton is not installed: the same arithmetic in torch ops, with a warning once).
 
 ``exp`` and ``sm`` are uint8, ``out`` is uint16 or bfloat16 (int16 is accepted too: same bits)
 with the same number of elements; all contiguous (any shape: they are flattened as views).
@@ -102,10 +103,39 @@ def merge(exp, sm, out):
         cpu.merge_into(_np_u8(exp, "exp"), _np_u8(sm, "sm"), o)
         return out
     if kinds == {"cuda"}:
-        from .triton_merge import merge_cuda
+        if _triton_importable():
+            from .triton_merge import merge_cuda
 
-        return merge_cuda(exp, sm, out)
+            return merge_cuda(exp, sm, out)
+        return _torch_merge(exp, sm, out)
     raise ValueError(f"exp, sm and out must be on one device (numpy counts as cpu), got {sorted(kinds)}")
+
+
+_warned = False
+
+
+def _torch_merge(exp, sm, out):
+    """CUDA without triton: the same merge in torch ops (several passes, int32 temporaries)."""
+    global _warned
+    import torch
+
+    if not _warned:
+        import warnings
+
+        warnings.warn("triton is not installed: merging CUDA tensors with plain torch ops (slower); "
+                      "pip install 'zipmoe[triton]'", RuntimeWarning, stacklevel=3)
+        _warned = True
+    if exp.dtype != torch.uint8 or sm.dtype != torch.uint8:
+        raise ValueError("exp and sm must be uint8")
+    if out.dtype not in (torch.bfloat16, torch.uint16, torch.int16) or not out.is_contiguous():
+        raise ValueError("out must be a contiguous bfloat16 or uint16 tensor")
+    if exp.numel() != out.numel() or sm.numel() != out.numel():
+        raise ValueError("exp, sm and out must have the same number of elements")
+    e = exp.reshape(-1).to(torch.int32)
+    s = sm.reshape(-1).to(torch.int32)
+    u = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+    out.reshape(-1).view(torch.int16).copy_(u.to(torch.int16))
+    return out
 
 
 def split(u, exp_out, sm_out) -> None:
@@ -115,11 +145,16 @@ def split(u, exp_out, sm_out) -> None:
         cpu.split_into(_np_u16(u, "u"), _np_u8(exp_out, "exp_out"), _np_u8(sm_out, "sm_out"))
         return
     if kinds == {"cuda"}:
-        from .triton_merge import split_triton
-
         import torch
 
-        with torch.cuda.device(u.device):
-            split_triton(u, exp_out, sm_out)
+        if _triton_importable():
+            from .triton_merge import split_triton
+
+            with torch.cuda.device(u.device):
+                split_triton(u, exp_out, sm_out)
+            return
+        ui = u.reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        exp_out.reshape(-1).copy_(((ui >> 7) & 0xFF).to(torch.uint8))
+        sm_out.reshape(-1).copy_((((ui >> 8) & 0x80) | (ui & 0x7F)).to(torch.uint8))
         return
     raise ValueError(f"u, exp_out and sm_out must be on one device, got {sorted(kinds)}")

@@ -106,3 +106,16 @@ def test_merge_rejects_bad_input():
 
 def test_triton_available_is_bool():
     assert isinstance(kernels.triton_available(), bool)
+
+
+def test_torch_ops_fallback_exact():
+    """The CUDA-without-triton fallback is device-agnostic torch code: check it on CPU tensors."""
+    from zipmoe.kernels import dispatch
+
+    u = _patterns(5000, 9)
+    e, s = cpu.split(u)
+    out = torch.empty(5000, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning):
+        dispatch._warned = False
+        dispatch._torch_merge(torch.from_numpy(e), torch.from_numpy(s), out)
+    assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), u)
