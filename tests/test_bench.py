@@ -199,6 +199,20 @@ def test_real_cgroup_create_limit_remove():
     assert not cg.path.exists()
 
 
+@pytest.mark.skipif(not bench_cgroup.detect().usable, reason="no writable memory cgroup on this machine")
+def test_real_cgroup_oom_kill_is_seen():
+    import subprocess
+    import sys
+
+    support = bench_cgroup.detect()
+    with bench_cgroup.MemoryCgroup(support, 48 << 20) as cg:
+        env = dict(os.environ, **cg.env())
+        code = "from zipmoe.runtime.bench_cgroup import join_from_env; join_from_env(); x = bytearray(200 << 20); x[::4096] = b'1' * len(x[::4096])"
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+        assert proc.returncode != 0
+        assert cg.oom_kills() >= 1
+
+
 def test_cold_modes_and_bandwidth(tmp_path):
     f = tmp_path / "data.bin"
     f.write_bytes(os.urandom(3 << 20))

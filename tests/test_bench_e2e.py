@@ -1,0 +1,102 @@
+"""`zipmoe bench` end to end on a tiny MoE on the CPU: real worker processes, real cgroups
+where the machine has them, the zipmoe runtime against Accelerate's disk offload."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_container(tmp_path_factory):
+    """A 2-layer Qwen2-MoE (8 experts, top 2) saved by transformers and packed."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from zipmoe.codecs.writer import pack
+
+    root = tmp_path_factory.mktemp("bench")
+    cfg = Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    src = root / "tiny"
+    model.save_pretrained(src)
+    pack(src, root / "tiny.zmoe")
+    return root
+
+
+def test_bench_end_to_end_cpu(tiny_container, capsys):
+    from zipmoe_cli.app import main
+
+    root = tiny_container
+    out = root / "out.json"
+    argv = ["bench", str(root / "tiny.zmoe"), "--baseline", "accelerate", "--budget", "2M",
+            "--batch", "2", "--new-tokens", "3", "--runs", "1", "--warm", "--device", "cpu", "--threads", "1",
+            "--source", str(root / "tiny"), "--json", str(out)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr()
+    assert exc.value.code == 0, err.err[-2000:]
+    doc = json.loads(out.read_text())
+    ok = {(r["engine"], r["budget"]) for r in doc["results"] if r.get("ok")}
+    assert ok == {("zipmoe", 2 << 20), ("accelerate", 2 << 20)}
+    assert doc["token_check"]["same"], doc["token_check"]
+    assert "same greedy tokens" in err.out
+    z = next(r for r in doc["summary"] if r["engine"] == "zipmoe")
+    assert z["generated"] == 3 and z["tpot_s"]["median"] > 0 and z["ttft_s"]["median"] > 0
+    run = next(r for d in doc["results"] if d["engine"] == "zipmoe" and d.get("ok") for r in d["runs"])
+    assert sum(run["counters"]["hits"].values()) > 0 and len(run["tokens"]) == 2
+    assert run["bytes_read_engine"] is not None
+    assert any(x["engine"] == "zipmoe" and x["baseline"] == "accelerate" and x["tpot_x"] for x in doc["ratios"])
+    assert doc["disk_bw"]["bytes_per_s"] > 0
+    if doc["cgroup"]["usable"]:
+        stats = next(d for d in doc["results"] if d["engine"] == "zipmoe")["cgroup_stats"]
+        assert stats["limit_bytes"] == (2 << 20) + doc["cgroup"]["slack_bytes"] and stats["peak_bytes"] <= stats["limit_bytes"]
+    assert not any(p.name.startswith("zipmoe-bench-") for p in _cgroup_children(doc))
+
+
+def test_failing_engine_keeps_partial_results(tiny_container, monkeypatch, capsys):
+    """An engine that cannot run in its budget: the others' results stay in out.json, one line, exit 1.
+    (The worker is stubbed: the real ones are exercised above.)"""
+    from zipmoe.runtime import bench_run
+    from zipmoe_cli.app import main
+
+    root = tiny_container
+
+    def fake_worker(spec, support, limit, log_path, on_progress):
+        if spec["budget"] == 1 << 10:
+            return {"engine": spec["engine"], "budget": spec["budget"], "ok": False, "runs": [], "user_error": True,
+                    "error": "budget 1.00 KiB is too small: this model needs at least 300.00 KiB", "error_type": "BudgetError"}
+        on_progress()
+        run = {"engine": spec["engine"], "budget": spec["budget"], "batch": 1, "new_tokens": 2, "generated": 2, "case": "b1-n2",
+               "ttft_s": 0.1, "tpot_s": 0.05, "e2e_s": 0.15, "tokens_per_s": 13.3, "tokens": [[1, 2]]}
+        return {"engine": spec["engine"], "budget": spec["budget"], "ok": True, "runs": [run]}
+
+    monkeypatch.setattr(bench_run, "run_worker", fake_worker)
+    out = root / "partial.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", str(root / "tiny.zmoe"), "--engine", "zipmoe", "--budget", "1K", "--budget", "2M", "--runs", "1",
+              "--new-tokens", "2", "--device", "cpu", "--json", str(out), "--disk-bw", "1G"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("zipmoe: error")]
+    assert exc.value.code == 1 and len(err) == 1
+    assert "engine zipmoe" in err[0] and "too small" in err[0]
+    doc = json.loads(out.read_text())
+    assert [(d["engine"], d["budget"], d["ok"]) for d in doc["results"]] == [("zipmoe", 1 << 10, False), ("zipmoe", 2 << 20, True)]
+    assert doc["summary"][0]["tpot_s"]["median"] == pytest.approx(0.05)
+    assert doc["errors"][0]["budget"] == 1 << 10
+
+
+def _cgroup_children(doc):
+    parent = doc["cgroup"].get("parent")
+    if not parent or not os.path.isdir(parent):
+        return []
+    from pathlib import Path
+
+    return [p for p in Path(parent).iterdir() if p.is_dir()]
