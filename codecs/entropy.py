@@ -23,7 +23,11 @@ in cache (as the runtime does). Sizes include the raw sign-mantissa bytes.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -326,10 +330,12 @@ def _measure(ck: Checkpoint, t: SourceTensor, codecs: list, shard: int, repeat: 
 
 def analyze_checkpoint(ck: Checkpoint, measure: bool = False, codecs: Iterable[str] | None = None,
                        shard_size: int = 1 << 20, repeat: int = 3, chunk_elements: int = CHUNK_ELEMENTS,
+                       workers: int | None = None,
                        on_tensor: Callable[[int, int, TensorReport], None] | None = None) -> Analysis:
     """Analyse every tensor of an opened checkpoint, one at a time (memory bounded by a chunk).
 
-    ``on_tensor(i, count, report)`` is called after each tensor (progress display).
+    ``on_tensor(i, count, report)`` is called after each tensor, in file order (progress).
+    ``workers`` threads compute histograms (default: up to 4, one per core); ``measure`` forces 1.
     """
     t_start = time.perf_counter()
     codec_objs: list = []
@@ -345,14 +351,27 @@ def analyze_checkpoint(ck: Checkpoint, measure: bool = False, codecs: Iterable[s
     total = Totals()
     by_role: dict[str, Totals] = {}
     reports: list[TensorReport] = []
-    buf = np.empty(2 * chunk_elements, np.uint8)
-    for i, t in enumerate(ck.tensors):
+    # Histograms run on `workers` threads (numba releases the GIL; pread too), in a window of
+    # 2 * workers tensors so memory stays bounded; results are consumed in file order.
+    # --measure times decoding, so it runs on one thread only.
+    if workers is None:
+        workers = min(4, os.cpu_count() or 1)
+    workers = 1 if codec_objs else max(1, workers)
+    local = threading.local()
+
+    def hist_of(t: SourceTensor) -> np.ndarray | None:
+        if t.dtype != "BF16" or not t.nbytes:
+            return None
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = np.empty(2 * chunk_elements, np.uint8)
+        return tensor_histogram(ck, t, chunk_elements, buf)
+
+    def consume(i: int, t: SourceTensor, hist: np.ndarray | None) -> None:
         role = classify(t.name, t.shape, ck.config)
         r = TensorReport(t.name, t.dtype, tuple(t.shape), t.nbytes, role.role, role.layer,
                          role.expert, role.proj, role.fused)
-        hist = None
-        if t.dtype == "BF16" and t.nbytes:
-            hist = tensor_histogram(ck, t, chunk_elements, buf)
+        if hist is not None:
             r.entropy = field_entropy(hist)
             if codec_objs:
                 r.codecs = _measure(ck, t, codec_objs, shard_size, repeat, chunk_elements)
@@ -362,6 +381,21 @@ def analyze_checkpoint(ck: Checkpoint, measure: bool = False, codecs: Iterable[s
         reports.append(r)
         if on_tensor is not None:
             on_tensor(i, len(ck.tensors), r)
+
+    if workers == 1:
+        for i, t in enumerate(ck.tensors):
+            consume(i, t, hist_of(t))
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="zipmoe-analyze") as pool:
+            window: deque = deque()
+            for i, t in enumerate(ck.tensors):
+                window.append((i, t, pool.submit(hist_of, t)))
+                if len(window) >= 2 * workers:
+                    j, tj, fut = window.popleft()
+                    consume(j, tj, fut.result())
+            while window:
+                j, tj, fut = window.popleft()
+                consume(j, tj, fut.result())
     return Analysis(str(getattr(ck, "path", ck.root)),
                     ck.model_type, reports, total, by_role, [c.id for c in codec_objs], shard_size,
                     time.perf_counter() - t_start)

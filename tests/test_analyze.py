@@ -97,6 +97,14 @@ def test_analyze_api(model):
     assert res.total.tensors == len(ts)
 
 
+def test_threads_give_the_same_result(model):
+    d, _ = model
+    one = analyze(d, workers=1).to_dict()
+    two = analyze(d, workers=2, chunk_elements=1000).to_dict()
+    one.pop("seconds"), two.pop("seconds")
+    assert one == two
+
+
 def test_cli_json(model, capsys):
     d, ts = model
     code, out, err = _run(capsys, "analyze", str(d), "--json")

@@ -31,6 +31,7 @@ def analyze(
     shard_size: str = typer.Option("1M", "--shard-size", help="Exponent bytes per shard for --measure."),
     show_all: bool = typer.Option(False, "--all", help="List every tensor (default: a summary for big models)."),
     top: int = typer.Option(20, "--top", help="Tensors listed in the summary, largest first."),
+    workers: int = typer.Option(0, "--workers", help="Threads for the entropy pass (default: one per core, up to 4; --measure uses 1)."),
 ) -> None:
     """Sign/exponent/mantissa entropy per tensor and in total, and the bound (8 + H(exp))/16."""
     from zipmoe.codecs.entropy import analyze_checkpoint
@@ -40,6 +41,8 @@ def analyze(
 
     from .pack import progress_bar
 
+    if workers < 0:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
     if top < 0:
         raise UsageError(f"--top must be 0 or more, got {top}")
     size = parse_size(shard_size)
@@ -65,7 +68,8 @@ def analyze(
             update(done[0], ck.total_bytes)
 
         with prog:
-            res = analyze_checkpoint(ck, measure=measure, codecs=codecs, shard_size=size, on_tensor=on_tensor)
+            res = analyze_checkpoint(ck, measure=measure, codecs=codecs, shard_size=size,
+                                     workers=workers or None, on_tensor=on_tensor)
 
     if as_json:
         sys.stdout.write(json.dumps(res.to_dict(), indent=1) + "\n")
