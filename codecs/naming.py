@@ -10,6 +10,7 @@ Recognised layouts (``L`` layer, ``N`` expert)::
     Qwen2-MoE, Qwen3-MoE, ...layers.L.mlp.experts.N.gate_proj|up_proj|down_proj.weight
       OLMoE, DeepSeek-V2/V3, Jamba (feed_forward.experts.N...), and any `experts.N.<proj>`
     SwitchTransformers    encoder|decoder.block.B.layer.J.mlp.experts.expert_N.wi|wo.weight   wi up, wo down
+    NLLB-MoE style        model.encoder|decoder.layers.B.ffn.experts.expert_N.fc1|fc2.weight  fc1 up, fc2 down
     fused (transformers 5) ...layers.L.mlp.experts.gate_up_proj [E, 2I, H], ...experts.down_proj [E, H, I]
                            (also with suffixes such as _bias or _scale_inv): fused=True, expert=None
 
@@ -23,7 +24,9 @@ Layer numbers. For decoder-only models ``layer`` is the index of the transformer
 numbered by the *global block index in module order*: encoder block ``B`` is layer ``B``,
 decoder block ``B`` is layer ``num_layers + B`` where ``num_layers`` is the encoder depth from
 config.json (``SWITCH_DECODER_OFFSET_NO_CONFIG`` = 1000 when there is no config, which keeps
-the numbers unique for any real depth). :func:`switch_layer` is the one place that computes
+the numbers unique for any real depth). The same holds for ``encoder.layers.B`` /
+``decoder.layers.B`` when config.json has ``is_encoder_decoder`` (encoder depth from
+``encoder_layers``). :func:`switch_layer` is the one place that computes
 it; the runtime uses it too.
 """
 
@@ -76,19 +79,29 @@ def num_experts(config: dict | None) -> int | None:
 
 
 def switch_layer(stack: str, block: int, config: dict | None) -> int:
-    """Global layer number of a SwitchTransformers block (``stack`` is "encoder" or "decoder")."""
+    """Global layer number of a block of an encoder-decoder model (``stack``: "encoder" or
+    "decoder"): encoder blocks keep their index, decoder blocks follow the encoder's.
+
+    The encoder depth is config.json's ``num_layers`` (T5/SwitchTransformers) or
+    ``encoder_layers`` (BART/NLLB-MoE style); ``SWITCH_DECODER_OFFSET_NO_CONFIG`` without one.
+    """
     if stack == "encoder":
         return block
-    n_enc = (config or {}).get("num_layers")
+    cfg = config or {}
+    n_enc = cfg.get("encoder_layers") if "encoder_layers" in cfg else cfg.get("num_layers")
     if not isinstance(n_enc, int) or n_enc < 0:
         n_enc = SWITCH_DECODER_OFFSET_NO_CONFIG
     return n_enc + block
 
 
 def _layer_of(parts: list[str], upto: int, config: dict | None) -> int | None:
-    # SwitchTransformers: encoder|decoder . block . B . layer . J
+    # Encoder-decoder: encoder|decoder . block . B (T5 family: always two stacks), or
+    # encoder|decoder . layers . B when config.json says is_encoder_decoder (NLLB-MoE style;
+    # decoder-only models such as OPT also name their stack "decoder").
+    enc_dec = bool((config or {}).get("is_encoder_decoder"))
     for i in range(upto - 2):
-        if parts[i] in ("encoder", "decoder") and parts[i + 1] == "block" and parts[i + 2].isdigit():
+        if (parts[i] in ("encoder", "decoder") and parts[i + 2].isdigit()
+                and (parts[i + 1] == "block" or (enc_dec and parts[i + 1] == "layers"))):
             return switch_layer(parts[i], int(parts[i + 2]), config)
     for i in range(upto - 1):
         if parts[i] in _LAYER_SEGMENTS and parts[i + 1].isdigit():

@@ -82,3 +82,14 @@ def test_num_experts():
     assert num_experts({"n_routed_experts": 64}) == 64
     assert num_experts({"text_config": {"num_experts": 4}}) == 4
     assert num_experts(None) is None and num_experts({}) is None
+
+
+def test_encoder_decoder_layers_style():
+    cfg = {"model_type": "nllb-moe", "is_encoder_decoder": True, "encoder_layers": 24, "decoder_layers": 24}
+    r = classify("model.encoder.layers.3.ffn.experts.expert_7.fc1.weight", (8, 4), cfg)
+    assert r == TensorRole(E, 3, 7, "up", False)
+    r = classify("model.decoder.layers.3.ffn.experts.expert_7.fc2.weight", (4, 8), cfg)
+    assert r == TensorRole(E, 27, 7, "down", False)
+    # a decoder-only model whose stack is called "decoder" (OPT) keeps plain layer numbers
+    r = classify("model.decoder.layers.5.self_attn.q_proj.weight", (4, 4), {"model_type": "opt"})
+    assert r.layer == 5
