@@ -38,15 +38,6 @@ DTYPE_SIZES = {
     "U64": 8, "I64": 8, "F64": 8, "C64": 8,
 }
 
-# files embedded next to the weights (docs/format.md section 5.4)
-EMBEDDED_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt",
-    "preprocessor_config.json",
-)
-
-
 def align_up(n: int, a: int = ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 

@@ -8,7 +8,6 @@ import json
 import os
 import struct
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file

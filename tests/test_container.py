@@ -99,6 +99,18 @@ def test_flipping_any_byte_is_detected(tiny, tmp_path, pos, xor):
         _full_check(p)
 
 
+def test_flipping_any_header_or_index_byte_fails_on_open(tiny, tmp_path):
+    """Every header byte and ~150 evenly spread index bytes: the reader refuses the file on open."""
+    ioff = struct.unpack_from("<Q", tiny, 24)[0]
+    p = tmp_path / "bad.zmoe"
+    for i in list(range(64)) + list(range(ioff, len(tiny), max(1, (len(tiny) - ioff) // 150))) + [len(tiny) - 1]:
+        bad = bytearray(tiny)
+        bad[i] ^= 0x01 if i % 2 else 0x80
+        p.write_bytes(bytes(bad))
+        with pytest.raises(ContainerError):
+            ContainerReader(p)
+
+
 def test_flipping_chunk_bytes_names_tensor_and_chunk(tiny, tmp_path):
     p = tmp_path / "ok.zmoe"
     p.write_bytes(tiny)
