@@ -75,6 +75,10 @@ def load_dispatch():
     try:
         from zipmoe import kernels
 
+        if not callable(getattr(kernels, "merge", None)):
+            print(f"note: the installed zipmoe.kernels ({kernels.__file__}) has no merge(); dispatcher check skipped")
+            return None
+        print(f"dispatcher: zipmoe.kernels.merge from {kernels.__file__}")
         return kernels
     except Exception as exc:  # numba missing, package not on the path, ...
         print(f"note: zipmoe.kernels does not import here ({type(exc).__name__}: {exc}); dispatcher check skipped")
