@@ -237,6 +237,8 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
                 _write_small(tmp / INDEX_NAME, json.dumps(doc, indent=2).encode())
                 written.append(INDEX_NAME)
             for name in r.files:
+                if name.endswith(".safetensors") or name == INDEX_NAME or not fmt.is_plain_name(name):
+                    raise ContainerError(f"{container_path}: embedded file name {name!r} would clash with the weights")
                 _write_small(tmp / name, r.read_file(name))
                 written.append(name)
             _install(tmp, out_dir, written)
