@@ -18,10 +18,12 @@ working set (see :mod:`zipmoe.runtime.core`).
 Policy. Each tensor has an activation count (incremented once per layer call that uses it)
 and a last-use clock. After a tensor has been used, it is *offered* to the pools above its
 current state, best first (full, compressed, sm_only, e_only); a pool takes it when it has
-room, or can make room by evicting only tensors of lower priority (smaller count; at equal
-count, older last use) that are not pinned by the layer being computed. Evicted tensors are
-dropped (their state becomes none). So each pool converges to the most frequently used
-tensors it can hold, and recent use breaks ties.
+room, or can make room by evicting tensors used *strictly less often* (victims in order of
+count, then least recent use first) that are not pinned by the layer being computed. At equal
+counts the tensor already cached stays: admitting on ties would turn the policy into LRU,
+which thrashes when a forward step touches more tensors than a pool holds (every step evicts
+what the next step needs). Evicted tensors are dropped (their state becomes none). So each
+pool converges to the most frequently used tensors it can hold.
 """
 
 from __future__ import annotations
@@ -93,25 +95,23 @@ class ExpertCache:
             return True
         need = nbytes - free
         mine = self._prio(uid)
-        for victim, vbytes in self._victims(pool, mine):
+        for victim, vbytes in self._victims(pool, mine[0]):
             need -= vbytes
             if need <= 0:
                 return True
         return False
 
-    def _victims(self, pool: Pool, below: tuple[int, int]):
-        """Evictable tensors of ``pool`` with priority below ``below``, lowest first (no change)."""
-        live = []
+    def _victims(self, pool: Pool, below: int):
+        """Evictable tensors of ``pool`` used fewer than ``below`` times, lowest (count, last) first."""
         seen = set()
         for cnt, last, uid in sorted(pool._heap) if len(pool._heap) < 64 else self._heap_iter(pool):
             if uid in seen or uid not in pool.items or (cnt, last) != self._prio(uid):
                 continue
             seen.add(uid)
-            if (cnt, last) >= below:
+            if cnt >= below:
                 break
             if uid in self.pinned:
                 continue
-            live.append(uid)
             yield uid, pool.items[uid][0]
 
     @staticmethod
@@ -139,7 +139,7 @@ class ExpertCache:
             pool = self.pools[name]
             need = nbytes - (pool.capacity - pool.used)
             if need > 0:
-                for victim, vbytes in list(self._victims(pool, self._prio(uid))):
+                for victim, vbytes in list(self._victims(pool, self._prio(uid)[0])):
                     self._remove(victim)
                     need -= vbytes
                     if need <= 0:

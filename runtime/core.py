@@ -81,6 +81,31 @@ def read_plan(plan, container_id: str) -> dict:
     return {"pools": pools, "raw": plan}
 
 
+def _sizes(expert_tensors: dict, workers: int) -> tuple[int, int]:
+    per_expert = [sum(working_bytes_of(t) for t in ts) for ts in expert_tensors.values()] or [0]
+    max_seg = max((s.numel for ts in expert_tensors.values() for t in ts for s in t.segments), default=0)
+    return max(per_expert), max(1, workers) * 2 * max_seg
+
+
+def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int) -> dict:
+    """See :func:`zipmoe.runtime.loader.requirements`."""
+    expert_working, scratch = _sizes(expert_tensors, workers)
+    all_t = [t for ts in expert_tensors.values() for t in ts]
+    full = sum(t.full_bytes for t in all_t)
+    window = max(1, workers) + 2
+    working = scratch + window * expert_working
+
+    def budget_for(fraction: float) -> int:
+        return int(dense_bytes + working + -(-int(full * fraction) // 1))
+
+    return {
+        "dense_bytes": dense_bytes, "expert_bytes_full": full,
+        "expert_bytes_stored": sum(t.stored_bytes for t in all_t),
+        "min_budget": dense_bytes + scratch + expert_working, "working_bytes": working,
+        "num_expert_tensors": len(all_t), "budget_for": budget_for,
+    }
+
+
 class Runtime:
     """Serves the expert layers of one model from one container."""
 
@@ -108,10 +133,9 @@ class Runtime:
         all_t = [t for ts in expert_tensors.values() for t in ts]
         self.expert_bytes_full = sum(t.full_bytes for t in all_t)
         self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
-        per_expert = [sum(working_bytes_of(t) for t in ts) for ts in expert_tensors.values()] or [0]
-        self.expert_working = max(per_expert)
-        max_seg = max((s.numel for t in all_t for s in t.segments), default=0)
-        self.scratch_bytes = self.workers * 2 * max_seg  # exp (+ sm if not raw) scratch per worker
+        # working set: one expert in flight = its bf16 buffers + read buffers; plus the
+        # exp (and sm, if not raw) decode scratch of each worker
+        self.expert_working, self.scratch_bytes = _sizes(expert_tensors, self.workers)
         self.min_budget = self.dense_bytes + self.scratch_bytes + self.expert_working
         if self.budget < self.min_budget:
             raise BudgetError(

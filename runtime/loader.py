@@ -36,7 +36,7 @@ from zipmoe.units import parse_size
 from .experts_hook import IMPLEMENTATION, SwitchExperts, register
 from .families import Family, family_for
 
-__all__ = ["load", "resolve_device", "params_on_meta", "default_threads"]
+__all__ = ["load", "requirements", "resolve_device", "params_on_meta", "default_threads"]
 
 _NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
        "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
@@ -196,7 +196,23 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         reader.close()
 
 
-def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace):
+def requirements(path, *, workers: int | None = None, device="cpu") -> dict:
+    """What serving ``path`` needs, without loading it: bytes of dense weights, of all experts
+    (bf16 and stored), of the working set, the smallest budget, and a helper for budgets.
+
+    Returns ``{"dense_bytes", "expert_bytes_full", "expert_bytes_stored", "min_budget",
+    "working_bytes" (at the default window), "num_expert_tensors", "budget_for": fn(fraction)}``
+    where ``budget_for(f)`` is the budget whose pools hold the fraction ``f`` of the experts'
+    bf16 bytes (on top of dense weights and the default working set).
+    """
+    from zipmoe.codecs.reader import ContainerReader
+
+    workers = default_workers() if workers is None else int(workers)
+    with ContainerReader(path) as reader:
+        return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dry=True)
+
+
+def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dry=False):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -279,6 +295,10 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             if (layer, e) not in expert_tensors:
                 raise ModelError(f"the container has no weights for layer {layer} expert {e}")
     meta_model = reader.meta.get("model") or {}
+    if dry:
+        from .core import dry_requirements
+
+        return dry_requirements(expert_tensors, dense_bytes, workers)
     rt = Runtime(
         path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
@@ -322,6 +342,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelError(f"the container lacks dense weights the model needs: {', '.join(missing[:3])}{more}")
+        model.eval()  # the replacement modules too (SwitchExperts has a dropout)
         model.zipmoe = rt
         model.register_forward_hook(lambda *_: rt.end_step())
         if warm:

@@ -134,7 +134,11 @@ class LayerScheduler:
 
     def _read(self, f: _Fetch, need_e: bool, need_sm: bool):
         t = f.tensor
-        bufs = [(off, self.rt.store.read(off, ln)) for off, ln in t.ranges(need_e, need_sm)]
+        wanted = [r for s in t.segments for r, need in ((s.e_range, need_e), (s.sm_range, need_sm)) if need]
+        bufs = []
+        for off, ln in t.ranges(need_e, need_sm):
+            payload = sum(r[1] for r in wanted if off <= r[0] < off + ln)
+            bufs.append((off, self.rt.store.read(off, ln, payload)))
         if need_e:
             f.e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
         if need_sm:

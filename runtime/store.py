@@ -217,8 +217,11 @@ class ExpertStore:
                     pass
         self._fd = self._dfd = -1
 
-    def read(self, offset: int, length: int) -> np.ndarray:
-        """Bytes ``[offset, offset+length)`` of the file as a uint8 array (a view into an aligned buffer)."""
+    def read(self, offset: int, length: int, payload: int | None = None) -> np.ndarray:
+        """Bytes ``[offset, offset+length)`` of the file as a uint8 array (a view into an aligned buffer).
+
+        ``payload``: how many of these bytes are chunk bytes (the rest is padding read across);
+        counted as ``bytes_read`` (``bytes_read_disk`` counts what was transferred)."""
         t0 = time.perf_counter()
         if length <= 0:
             return np.empty(0, np.uint8)
@@ -235,7 +238,7 @@ class ExpertStore:
         else:
             arr, disk = self._read_plain(offset, length)
         if self.counters is not None:
-            self.counters.add_read(length, disk, time.perf_counter() - t0)
+            self.counters.add_read(length if payload is None else payload, disk, time.perf_counter() - t0)
         return arr
 
     def _read_direct(self, offset: int, length: int):
