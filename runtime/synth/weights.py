@@ -70,9 +70,10 @@ def quantile_table(dist: str) -> np.ndarray:
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32/float64 array -> uint16 bf16 bit patterns (round to nearest even, via torch)."""
-    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16)
-    return t.view(torch.int16).numpy().view(np.uint16)
+    """float32/float64 array -> uint16 bf16 bit patterns, rounded to nearest even (what
+    torch's ``.to(torch.bfloat16)`` does for finite values; numpy only, no thread pool)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
 
 
 def bits_to_float(u16: np.ndarray) -> np.ndarray:
