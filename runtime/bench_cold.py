@@ -129,30 +129,46 @@ def disk_bandwidth(path, max_bytes: int = 1 << 30, block: int = 8 << 20) -> dict
     return {"bytes_per_s": done / seconds if seconds > 0 else None, "bytes": done, "seconds": seconds, "o_direct": direct, "file": str(path)}
 
 
-def profile_bandwidth(container) -> dict | None:
-    """Disk bandwidth from `zipmoe plan`'s stored hardware profile, when there is one.
+def profile_bandwidth(container, container_id: str, device: str = "cpu", profile_path=None, plan_path=None) -> dict | None:
+    """Disk bandwidth measured by `zipmoe plan` (runtime/profile.py), when there is one.
 
-    Tries runtime.profile's API defensively (it is being written alongside this module):
-    ``load_profile(path)`` / ``cached_profile(path)`` / ``find_profile(path)`` returning a dict or an
-    object with ``disk_bw`` (bytes/s). Returns ``{"bytes_per_s", "source"}`` or None.
+    In this order: ``--profile FILE`` (checked against this machine and file), the profile a
+    plan.json carries, the per-machine profile cache. Returns ``{"bytes_per_s", "source"}`` or
+    None (nothing is measured here: :func:`disk_bandwidth` is the fallback).
     """
     try:
-        from . import profile as prof  # type: ignore[attr-defined]
+        from . import profile as prof
     except Exception:
         return None
-    for name in ("load_profile", "cached_profile", "find_profile", "get_profile", "load"):
-        fn = getattr(prof, name, None)
-        if not callable(fn):
+    candidates = []
+    if profile_path is not None:
+        candidates.append(("--profile " + str(profile_path), lambda: prof.load_profile(profile_path)))
+    if plan_path is not None:
+        def from_plan():
+            doc = json.loads(Path(plan_path).read_text())
+            return doc.get("profile") if isinstance(doc.get("profile"), dict) else None
+        candidates.append(("the plan's profile", from_plan))
+    try:
+        cached = prof.default_profile_path(container_id, device)
+        candidates.append((f"cached profile {cached}", lambda: prof.load_profile(cached) if Path(cached).exists() else None))
+    except Exception:
+        pass
+    for source, get in candidates:
+        try:
+            p = get()
+        except Exception:
+            continue
+        if not isinstance(p, dict):
             continue
         try:
-            p = fn(container)
-        except TypeError:
-            continue
+            if "machine" in p and prof.check_profile(p, container, container_id, device) is not None:
+                continue  # stale: another machine or another file
         except Exception:
-            return None
-        bw = _field(p, ("disk_bw", "disk_bandwidth", "disk_bw_bytes_per_s", "read_bw"))
+            continue
+        bw = _field(p, ("disk_bw",))
         if bw:
-            return {"bytes_per_s": float(bw), "source": f"runtime.profile.{name}"}
+            method = (p.get("disk") or {}).get("method", "")
+            return {"bytes_per_s": float(bw), "source": f"zipmoe plan profile ({source}{', ' + method if method else ''})"}
     return None
 
 

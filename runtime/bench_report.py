@@ -206,15 +206,21 @@ def _fmt_budget(b) -> str:
     return format_size(b).replace(".00 ", " ").replace("iB", "")
 
 
-def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench"):
-    """The rich table: one line per engine/budget/batch/tokens, ratios against the baselines."""
+COMPACT = ("engine", "budget", "batch", "tokens", "TPOT", "×floor")
+
+
+def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench", compact: bool = False):
+    """The rich table: one line per engine/budget/batch/tokens, ratios against the baselines.
+    ``compact``: engine, budget, batch, tokens, TPOT, ×floor and the ratios only."""
     from rich.table import Table
 
     rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"]): x for x in rats}
     bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
     t = Table(title=title, show_lines=False, pad_edge=False)
-    for col in ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS"):
-        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
+    cols = ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS")
+    keep = [i for i, c in enumerate(cols) if not compact or c in COMPACT]
+    for i in keep:
+        t.add_column(cols[i], justify="left" if cols[i] == "engine" else "right", no_wrap=True)
     for b in bases:
         t.add_column(f"vs {b}", justify="right", no_wrap=True)
     for r in rows:
@@ -231,6 +237,7 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
             _fmt_s(_med(r, "floor_tpot_s")), _fmt_x(_med(r, "tpot_over_floor")),
             "–" if rss is None else _fmt_budget(rss),
         ]
+        cells = [cells[i] for i in keep]
         for b in bases:
             x = rindex.get((r["engine"], b, r["budget"], r["batch"], r["new_tokens"]))
             cells.append(_fmt_x(x["tpot_x"]) if x else "")

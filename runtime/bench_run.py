@@ -73,6 +73,7 @@ class BenchConfig:
     disk_bw: float | None = None
     merge: bool = False
     raw_container: Path | None = None
+    profile: Path | None = None
     prompt_tokens: int = 64
     seed: int = 0
 
@@ -470,7 +471,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     if cfg.disk_bw:
         bw = {"bytes_per_s": float(cfg.disk_bw), "source": "--disk-bw"}
     else:
-        bw = bench_cold.profile_bandwidth(cfg.container)
+        bw = bench_cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan)
         if bw is None:
             bench_cold.make_cold([cfg.container])
             m = bench_cold.disk_bandwidth(cfg.container)

@@ -38,7 +38,7 @@ class _Progress:
         self.prog.stop()
 
 
-def _print_report(doc: dict, plot_path: Optional[Path]) -> None:
+def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -> None:
     from rich.console import Console
 
     from zipmoe.runtime import bench_report
@@ -51,7 +51,7 @@ def _print_report(doc: dict, plot_path: Optional[Path]) -> None:
     bw = doc.get("disk_bw") or {}
     cg = doc.get("cgroup") or {}
     title = f"zipmoe bench · {Path(doc.get('container', '?')).name} · {doc.get('device')} · {machine.get('gpu') or machine.get('cpu') or ''}"
-    bench_report.render_table(doc.get("summary", []), doc.get("ratios", []), console=con, title=title)
+    bench_report.render_table(doc.get("summary", []), doc.get("ratios", []), console=con, title=title, compact=compact)
     notes = []
     if bw.get("bytes_per_s"):
         notes.append(f"disk {format_size(bw['bytes_per_s'])}/s ({bw.get('source')}); floor = bytes read per token / disk bandwidth")
@@ -94,8 +94,10 @@ def bench(
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Memory on top of the budget for the process itself (default 1.5G on CPU, 3G with CUDA)."),
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
     report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
+    compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
     from zipmoe.errors import UsageError
@@ -104,7 +106,7 @@ def bench(
 
     if report is not None:
         doc = bench_run.finalize(bench_run.load_results(report))
-        _print_report(doc, plot)
+        _print_report(doc, plot, compact)
         return
     if file is None:
         raise UsageError("give the .zmoe container to benchmark (or --report out.json)")
@@ -134,13 +136,13 @@ def bench(
         prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
-        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container,
+        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile,
     )
     from rich.console import Console
 
     err = Console(stderr=True)
     doc, errors = bench_run.run_bench(cfg, log=lambda m: err.print(f"[dim]{m}[/dim]"), progress_factory=_Progress)
-    _print_report(doc, plot if doc.get("summary") else None)
+    _print_report(doc, plot if doc.get("summary") else None, compact)
     if json_out is not None:
         Console().print(f"  results: {json_out}", style="dim")
     exc = bench_run.first_error_exception(errors)
