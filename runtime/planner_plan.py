@@ -46,11 +46,15 @@ class Planner:
             rows.append(cache[key])
         self.table = MakespanTable(k, layout.tensors, self.workers, self.costs)
         self.layers = LayerSet(np.stack(rows), k, self.table)
-        bps = float(profile.get("compute", {}).get("bytes_per_s") or 0.0)
-        if bps <= 0:
-            bps = layout.expert_full_bytes / max(1e-12, self.costs.compute_s_per_expert)
-        # dense GEMV work per token at the experts' measured bytes/s (an estimate)
-        self.dense_s = layout.dense_matmul_bytes / bps if bps > 0 else 0.0
+        measured = profile.get("costs", {}).get("dense_s_per_token")
+        if measured is not None:  # served through the runtime (runtime.profile.measure_runtime)
+            self.dense_s, self.dense_source = float(measured), "measured"
+        else:  # dense GEMV work per token at the experts' micro-benchmarked bytes/s
+            bps = float(profile.get("compute", {}).get("bytes_per_s") or 0.0)
+            if bps <= 0:
+                bps = layout.expert_full_bytes / max(1e-12, self.costs.compute_s_per_expert)
+            self.dense_s = layout.dense_matmul_bytes / bps if bps > 0 else 0.0
+            self.dense_source = "estimate"
 
     def sparse_s(self, slots: dict[str, int]) -> float:
         """Expected seconds of all sparse layers for one output token."""
@@ -102,7 +106,8 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "disk_method": profile.get("disk", {}).get("method"),
         "codec": profile.get("decomp", {}).get("codec"),
         "costs": dict(profile["costs"]),
-        "dense_s_per_token_estimate": planner.dense_s,
+        "dense_s_per_token": planner.dense_s,
+        "dense_source": planner.dense_source,
     }
     return {
         "format": PLAN_FORMAT,

@@ -18,6 +18,14 @@ What is measured (each exactly what runtime.schedule_model.Costs counts):
 * **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
   its compute tensors, plus the activation), with the torch threads the serving process will use
   (``runtime.loader.default_threads(workers)``).
+* **runtime** (not with ``quick``): a few greedy tokens served through ``zipmoe.load`` give the
+  expert compute as the runtime's hook does it (which replaces the micro-benchmark's
+  ``compute_s_per_expert``: on small experts the Python around the matmuls dominates) and
+  ``dense_s_per_token``, the time per token outside the sparse layers. Where the runtime cannot
+  load the model, ``runtime.error`` says why and the planner estimates the dense time from the
+  GEMV throughput.
+* ``costs.merge_on_workers``: true where the runtime merges on its decode workers (CPU device,
+  or CUDA without Triton), false where the device merges.
 
 Storage: JSON, ``{"format": "zipmoe-profile/1", "machine": {...}, "container": {...},
 "costs": {Costs fields}, "disk": {...}, "decomp": {...}, "merge": {...}, "compute": {...}}``.
@@ -294,6 +302,86 @@ def measure_compute(shapes: list[tuple[int, int]], device: str = "cpu", threads:
         torch.set_num_threads(old)
 
 
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 << 30
+
+
+def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8) -> dict:
+    """Serve a few greedy tokens through the runtime and read its counters.
+
+    Gives what a micro-benchmark cannot: the expert compute as the runtime's hook does it
+    (``compute_s_per_expert``: counters' compute time per expert call) and everything that is
+    not a sparse layer (``dense_s_per_token``: time per decode step minus the sparse layers'
+    makespans: attention, norms, router, the Python around them). The budget holds every expert
+    when that fits in a quarter of the free memory, else as much as does.
+    """
+    import torch
+
+    import zipmoe
+
+    from .counters import delta
+    from .loader import default_threads
+
+    want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
+    budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
+    old = torch.get_num_threads()
+    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers))
+    try:
+        rt = model.zipmoe
+        prompt = torch.arange(1, 9, dtype=torch.long).unsqueeze(0)
+        if tok is not None:
+            prompt = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt")["input_ids"][:, :16]
+        prompt = prompt.to(model.device)
+        with torch.inference_mode():
+            kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=warmup, max_new_tokens=warmup)
+            model.generate(prompt, **kw)
+            stamps: list[float] = []
+            snaps: list[dict] = []
+
+            class _Clock:  # a streamer: put() gets the prompt, then each new token
+                def put(self, _v):
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 2:  # the prefill's token: count decode steps only from here
+                        snaps.append(rt.counters.snapshot())
+
+                def end(self):
+                    pass
+
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+                           max_new_tokens=tokens + 1, streamer=_Clock())
+            after = rt.counters.snapshot()
+        d = delta(after, snaps[0])
+        steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # decode steps
+        calls = max(1, int(d["expert_calls"]))
+        lm = d["layer_makespan_s"]
+        sparse_total = sum(v[0] for v in lm.values())
+        layer_calls = sum(v[1] for v in lm.values())
+        tpot = float(np.median(steps)) if steps else 0.0
+        sparse_per_step = sparse_total / max(1, len(steps))
+        return {
+            "budget": budget,
+            "tokens": len(steps),
+            "tpot_s": tpot,
+            "compute_s_per_expert": float(d["time_s"]["compute"]) / calls,
+            "layer_makespan_s": sparse_total / max(1, layer_calls),
+            "sparse_s_per_step": sparse_per_step,
+            "dense_s_per_token": max(0.0, tpot - sparse_per_step),
+            "torch_threads": torch.get_num_threads(),
+        }
+    finally:
+        try:
+            model.zipmoe.scheduler.close()
+        except Exception:  # noqa: BLE001
+            pass
+        torch.set_num_threads(old)
+
+
 # ---------------------------------------------------------------------------------- profile
 def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False) -> dict:
     """Measure everything for ``path`` on ``device``; returns the profile dict (not saved)."""
@@ -329,13 +417,30 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             "merge": merge,
             "compute": compute,
         }
+    # where the runtime merges: on the CPU device the decode workers do it (runtime.scheduler);
+    # on CUDA the device does, with the Triton kernel
+    on_workers = not device.startswith("cuda") or merge["kernel"] != "triton"
+    prof["merge"]["where"] = "workers" if on_workers else "device"
+    compute_s = compute["s_per_expert"]
+    dense_s = None
+    if not quick:
+        try:
+            rt = measure_runtime(path, layout, device, workers)
+            prof["runtime"] = rt
+            compute_s = rt["compute_s_per_expert"]
+            dense_s = rt["dense_s_per_token"]
+        except Exception as exc:  # noqa: BLE001 - the runtime is optional for a profile
+            prof["runtime"] = {"error": f"{type(exc).__name__}: {exc}"}
     prof["costs"] = {
         "disk_bw": disk["bw"],
         "disk_latency": disk["latency_s"],
         "decomp_bw_per_worker": decomp["bw_per_worker"],
         "merge_bw": merge["bw"],
-        "compute_s_per_expert": compute["s_per_expert"],
+        "compute_s_per_expert": compute_s,
+        "merge_on_workers": on_workers,
     }
+    if dense_s is not None:
+        prof["costs"]["dense_s_per_token"] = dense_s
     return prof
 
 
@@ -343,7 +448,8 @@ def costs_of(profile: dict) -> Costs:
     c = profile["costs"]
     return Costs(float(c["disk_bw"]), float(c["disk_latency"]), float(c["decomp_bw_per_worker"]),
                  float(c["merge_bw"]), float(c["compute_s_per_expert"]),
-                 float(c.get("decomp_overhead_s", 0.0)), float(c.get("merge_overhead_s", 0.0)))
+                 float(c.get("decomp_overhead_s", 0.0)), float(c.get("merge_overhead_s", 0.0)),
+                 bool(c.get("merge_on_workers", False)))
 
 
 def save_profile(profile: dict, path) -> Path:

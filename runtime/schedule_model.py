@@ -16,7 +16,12 @@ the device)::
                                                             tensor contiguously)
 
 Resources: one I/O channel (the disk, one request at a time), ``L`` CPU decode workers, and
-one device that runs merges and computes one after the other. An expert (all tensors sharing a
+one device that runs merges and computes one after the other.
+
+``Costs.merge_on_workers=True`` models the CPU runtime (runtime.scheduler on a CPU device): the
+worker that decompresses a tensor merges it in the same job (decompress+merge is one worker op,
+at ``decomp_s + merge_s``), which starts once E *and* SM are in memory (so an ``e_only`` job
+waits for its SM read), and the device only computes. An expert (all tensors sharing a
 ``Task.expert`` key) computes once, after all its tensors are whole.
 
 Public API (exact signatures)::
@@ -26,7 +31,7 @@ Public API (exact signatures)::
          expert: Hashable | None = None)
     Costs(disk_bw: float, disk_latency: float, decomp_bw_per_worker: float, merge_bw: float,
           compute_s_per_expert: float, decomp_overhead_s: float = 0.0,
-          merge_overhead_s: float = 0.0)
+          merge_overhead_s: float = 0.0, merge_on_workers: bool = False)
     durations(task: Task, costs: Costs) -> tuple[float, float, float]   # (read_s, decomp_s, merge_s)
     order(tasks: Sequence[Task]) -> list[int]          # priority list (indices into tasks)
     schedule(tasks, L: int, costs) -> Schedule         # every op's start/end, the makespan
@@ -121,6 +126,7 @@ class Costs:
     compute_s_per_expert: float  # s per expert per decode step
     decomp_overhead_s: float = 0.0  # s per decompression job
     merge_overhead_s: float = 0.0  # s per merge
+    merge_on_workers: bool = False  # True: the worker that decompresses also merges (the CPU runtime)
 
     def __post_init__(self) -> None:
         for name in ("disk_bw", "decomp_bw_per_worker", "merge_bw"):
@@ -200,8 +206,11 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
     decomp_done = [False] * n
     sm_here = [t.state != "e_only" for t in tasks]  # e_only waits for its SM read before merging
 
+    fused = costs.merge_on_workers  # decompress+merge is one worker job, needing E and SM
+    if fused:
+        dur = [(r, d + m, 0.0) for r, d, m in dur]
     for i in pri:
-        if tasks[i].state in ("compressed", "e_only"):
+        if tasks[i].state == "compressed" or (tasks[i].state == "e_only" and not fused):
             heapq.heappush(ready_decomp, (rank[i], i))
     gid = {g: k for k, g in enumerate(members)}
     for g in members:
@@ -260,15 +269,22 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
             if kind == "read":
                 disk_free = True
                 st = tasks[i].state
-                if st == "e_only":
+                if st == "e_only" and not fused:
                     sm_here[i] = True
                     merge_ready(i)
-                else:  # none, sm_only: E is here, decompress
+                else:  # none, sm_only (and fused e_only): the worker job can start
                     heapq.heappush(ready_decomp, (rank[i], i))
             elif kind == "decomp":
                 free_workers.append(payload)  # type: ignore[arg-type]
                 decomp_done[i] = True
-                merge_ready(i)
+                if fused:  # merged too: the tensor is whole
+                    sched.merge[i] = (now, now)
+                    g = gkeys[i]
+                    pending[g] -= 1
+                    if pending[g] == 0:
+                        heapq.heappush(ready_compute, (grank[g], gid[g], g))
+                else:
+                    merge_ready(i)
             elif kind == "merge":
                 device_free = True
                 g = gkeys[i]
@@ -286,10 +302,10 @@ def simulate(tasks: Sequence[Task], L: int, costs: Costs) -> float:
     return schedule(tasks, L, costs).makespan
 
 
-def _pre_merge(t: Task, d: tuple[float, float, float]) -> float:
-    """Earliest time the task's merge can start, alone on the machine."""
+def _pre_merge(t: Task, d: tuple[float, float, float], fused: bool = False) -> float:
+    """Earliest time the task's merge can start (with ``fused``: its worker job end), alone."""
     r, dc, _ = d
-    if t.state == "e_only":
+    if t.state == "e_only" and not fused:
         return max(r, dc)
     return r + dc
 
@@ -312,8 +328,11 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
     if not tasks:
         return 0.0
     dur = [durations(t, costs) for t in tasks]
+    if costs.merge_on_workers:  # one worker job; e_only's starts after its SM read
+        dur = [(r, d + m, 0.0) for r, d, m in dur]
     gkeys = _group_keys(tasks)
     c = costs.compute_s_per_expert
+    fused = costs.merge_on_workers
     groups: dict[Hashable, list[int]] = {}
     for i, g in enumerate(gkeys):
         groups.setdefault(g, []).append(i)
@@ -326,8 +345,8 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
     for ms in groups.values():
         loaded = [i for i in ms if tasks[i].state != "full"]
         if loaded:
-            per = max(_pre_merge(tasks[i], dur[i]) + dur[i][2] for i in loaded)
-            serial = min(_pre_merge(tasks[i], dur[i]) for i in loaded) + sum(dur[i][2] for i in loaded)
+            per = max(_pre_merge(tasks[i], dur[i], fused) + dur[i][2] for i in loaded)
+            serial = min(_pre_merge(tasks[i], dur[i], fused) for i in loaded) + sum(dur[i][2] for i in loaded)
             chain = max(chain, max(per, serial) + c)
         else:
             chain = max(chain, c)
@@ -338,11 +357,11 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
         tails = []
         for i in readers:
             _, dc, m = dur[i]
-            tails.append((m if tasks[i].state == "e_only" else dc + m) + c)
+            tails.append((m if tasks[i].state == "e_only" and not fused else dc + m) + c)
         bounds.append(disk + min(tails))
     loaded_all = [i for i, t in enumerate(tasks) if t.state != "full"]
     if loaded_all and len(loaded_all) == len(tasks):
-        bounds.append(device + min(_pre_merge(tasks[i], dur[i]) for i in loaded_all))
+        bounds.append(device + min(_pre_merge(tasks[i], dur[i], fused) for i in loaded_all))
     return max(bounds)
 
 

@@ -32,6 +32,7 @@ costs_st = st.builds(
     compute_s_per_expert=st.one_of(st.just(0.0), st.floats(1e-6, 1e-1)),
     decomp_overhead_s=st.one_of(st.just(0.0), st.floats(0, 1e-3)),
     merge_overhead_s=st.one_of(st.just(0.0), st.floats(0, 1e-3)),
+    merge_on_workers=st.booleans(),
 )
 
 
@@ -72,7 +73,8 @@ def _check_feasible(tasks, L, costs, s):
     reads = sorted(r for r in s.read if r is not None)
     for a, b in zip(reads, reads[1:]):
         assert b[0] >= a[1] - eps  # one I/O channel
-    dev = sorted([m for m in s.merge if m is not None] + list(s.compute.values()))
+    merges = [] if costs.merge_on_workers else [m for m in s.merge if m is not None]
+    dev = sorted(merges + list(s.compute.values()))
     for a, b in zip(dev, dev[1:]):
         assert b[0] >= a[1] - eps  # one device, serial
     by_worker = {}
@@ -95,6 +97,8 @@ def _check_feasible(tasks, L, costs, s):
             assert d[0] >= r[1] - eps
         if t.state == "e_only":
             assert m[0] >= r[1] - eps
+            if costs.merge_on_workers:  # one worker job: decompress+merge after the SM read
+                assert d[0] >= r[1] - eps and m[0] == d[1]
         if t.state == "compressed":
             assert r is None
     for i, t in enumerate(tasks):
@@ -171,3 +175,14 @@ def test_bad_arguments():
         Costs(0, 0, 1, 1, 0)
     with pytest.raises(ValueError):
         simulate([Task("full", 1, 1)], 0, COSTS)
+
+
+def test_merge_on_workers_models_the_cpu_runtime():
+    c = Costs(disk_bw=1e6, disk_latency=0.0, decomp_bw_per_worker=1e6, merge_bw=1e6, compute_s_per_expert=0.5,
+              merge_on_workers=True)
+    # e_only: the worker job (decompress 2 s + merge 2 s) starts after the SM read (1 s)
+    assert simulate([Task("e_only", 2 * 10**6, 5 * 10**5)], 1, c) == pytest.approx(1 + 4 + 0.5)
+    # two compressed experts on two workers: both jobs in parallel, computes serial on the device
+    two = [Task("compressed", 2 * 10**6, 0, expert=0), Task("compressed", 2 * 10**6, 0, expert=1)]
+    assert simulate(two, 2, c) == pytest.approx(4 + 0.5 + 0.5)
+    assert lower_bound(two, 2, c) == pytest.approx(5.0)  # tight: the device waits 4 s for the first job

@@ -1,0 +1,161 @@
+"""Measured against predicted: serve prompts under a plan (and its single-pool alternatives).
+
+    python -m zipmoe.runtime.planner_check M.zmoe --plan plan.json [--prompts builtin|FILE]
+        [--tokens 32] [--alternatives] [--json] [--workers N] [--device cpu]
+
+For each plan (the chosen one, and with ``--alternatives`` every single-pool plan recorded in
+plan.json's ``alternatives``), the model is loaded with the plan's budget and pools, the
+prompts are served once to warm the cache (the runtime's pools converge to the most used
+experts), then served again greedily while the decode steps are timed (a streamer stamps each
+token; the prefill is excluded) and the runtime's counters are read. Printed per plan:
+predicted and measured time per output token (median decode step), their ratio, and the
+expected vs measured experts per token per layer in each state.
+
+Use the same prompts as the trace the plan was made from (``zipmoe plan --calibrate builtin``
+and ``--prompts builtin`` here), so that the activation statistics match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+__all__ = ["measure_plan", "main"]
+
+STATES = ("full", "compressed", "sm_only", "e_only", "none")
+
+
+def _prompts(arg: str) -> list[str]:
+    if arg == "builtin":
+        from zipmoe_cli.plan import BUILTIN_PROMPTS
+
+        return list(BUILTIN_PROMPTS)
+    with open(arg, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers: int | None = None,
+                 device: str = "cpu") -> dict:
+    """Serve ``prompts`` under ``plan`` (a plan.json dict); measured TPOT, hits, layer makespans."""
+    import torch
+
+    import zipmoe
+
+    from .counters import delta
+
+    model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan,
+                             workers=workers or plan.get("workers"))
+    rt = model.zipmoe
+    units = max(1, len(next(iter(rt.expert_tensors.values()))))
+
+    def encode(p):
+        if tok is None:
+            return torch.arange(1, 9).unsqueeze(0)
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]
+        return tok(p, return_tensors="pt")["input_ids"]
+
+    def serve(timed: bool):
+        gaps, snaps = [], []
+        total = None
+        for p in prompts:
+            ids = encode(p).to(model.device)
+            stamps: list[float] = []
+
+            class _Clock:
+                def put(self, _v):
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 2:
+                        snaps.append(rt.counters.snapshot())
+
+                def end(self):
+                    pass
+
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
+                               max_new_tokens=tokens, streamer=_Clock() if timed else None,
+                               pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
+            if timed:
+                d = delta(rt.counters.snapshot(), snaps[-1])
+                total = d if total is None else _add(total, d)
+                gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]
+        return gaps, total
+
+    serve(False)  # warm the cache
+    gaps, d = serve(True)
+    rt.scheduler.close()
+    layer_calls = max(1, int(d["layer_calls"]))
+    lm = d["layer_makespan_s"]
+    return {
+        "tpot_s": statistics.median(gaps),
+        "tpot_mean_s": statistics.fmean(gaps),
+        "steps": len(gaps),
+        "layer_makespan_s": sum(v[0] for v in lm.values()) / max(1, sum(v[1] for v in lm.values())),
+        "hits": {s: d["hits"][s] / units / layer_calls for s in STATES},
+        "bytes_read_per_token": d["bytes_read"] / max(1, len(gaps)),
+        "pools": dict(rt.pools),
+    }
+
+
+def _add(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict):
+            out[k] = _add(a.get(k, {}), v)
+        elif isinstance(v, list):
+            out[k] = [x + y for x, y in zip(a.get(k, [0] * len(v)), v)]
+        elif isinstance(v, (int, float)) and k != "peak_held_bytes":
+            out[k] = a.get(k, 0) + v
+        else:
+            out[k] = v
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zipmoe.runtime.planner_check", description=__doc__.splitlines()[0])
+    ap.add_argument("container")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--prompts", default="builtin")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--alternatives", action="store_true")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    with open(a.plan, encoding="utf-8") as f:
+        plan = json.load(f)
+    prompts = _prompts(a.prompts)
+    plans = [("chosen", plan)]
+    if a.alternatives:
+        for name, alt in plan.get("alternatives", {}).items():
+            if name == "no cache":
+                continue
+            plans.append((name, {**plan, "pools": alt["pools"], "expected_tpot_s": alt["expected_tpot_s"],
+                                 "expected_hits": alt["expected_hits"],
+                                 "expected_layer_makespan_s": alt["expected_layer_makespan_s"]}))
+    rows = []
+    for name, p in plans:
+        m = measure_plan(a.container, p, prompts, a.tokens, a.workers, a.device)
+        rows.append({"plan": name, "pools": p["pools"], "predicted_tpot_s": p["expected_tpot_s"],
+                     "measured_tpot_s": m["tpot_s"], "ratio": m["tpot_s"] / p["expected_tpot_s"],
+                     "predicted_layer_s": p["expected_layer_makespan_s"], "measured_layer_s": m["layer_makespan_s"],
+                     "predicted_hits": p["expected_hits"], "measured_hits": m["hits"], "steps": m["steps"]})
+        if not a.json:
+            r = rows[-1]
+            hits = lambda h: "·".join(f"{h[s]:.2f}" for s in STATES)  # noqa: E731
+            print(f"{name:16s} TPOT predicted {1e3 * r['predicted_tpot_s']:7.2f} ms  measured {1e3 * r['measured_tpot_s']:7.2f} ms"
+                  f"  ({r['ratio']:.2f}x)  layer {1e3 * r['predicted_layer_s']:.2f}/{1e3 * r['measured_layer_s']:.2f} ms"
+                  f"  experts F·C·S·E·miss predicted {hits(r['predicted_hits'])} measured {hits(r['measured_hits'])}",
+                  flush=True)
+    if a.json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
