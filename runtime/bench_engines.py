@@ -176,6 +176,8 @@ def load_engine(spec: dict):
         kwargs = {}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])
+        if spec.get("trace") and name == "zipmoe":
+            kwargs["trace"] = spec["trace"]  # activation trace for `zipmoe plan --trace`
         path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]
         plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
         model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)

@@ -74,6 +74,7 @@ class BenchConfig:
     merge: bool = False
     raw_container: Path | None = None
     profile: Path | None = None
+    trace_out: Path | None = None
     prompt_tokens: int = 64
     seed: int = 0
 
@@ -382,6 +383,16 @@ def load_results(path: Path) -> dict:
     return doc
 
 
+def _trace_path(trace_out, budget, n_budgets: int) -> str | None:
+    """The zipmoe engine's activation trace file (one per budget when there are several)."""
+    if trace_out is None:
+        return None
+    p = Path(trace_out)
+    if n_budgets > 1:
+        p = p.with_name(f"{p.stem}-{budget}{p.suffix or '.jsonl'}")
+    return str(p)
+
+
 def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
     """(engine, budget) pairs in run order; resident once, without a budget."""
     work = []
@@ -521,6 +532,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
                 "warmup": True, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
+                "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
             }
             limit = budget + slack if (support.usable and budget is not None) else None
             res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",

@@ -365,6 +365,8 @@ def main() -> int:
                 sys.stderr.write(f"@@progress {done} {total}\n")
                 sys.stderr.flush()
         doc["ok"] = True
+        if runtime is not None and spec.get("trace") and hasattr(runtime, "stop_trace"):
+            runtime.stop_trace()
     except BaseException as exc:  # report, never hang: the parent decides what it means
         name = type(exc).__name__
         from zipmoe.errors import ZipmoeError

@@ -95,6 +95,7 @@ def bench(
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Record the zipmoe engine's activation trace here (for `zipmoe plan --trace`)."),
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
     report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
     compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
@@ -136,7 +137,7 @@ def bench(
         prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
-        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile,
+        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
     )
     from rich.console import Console
 
