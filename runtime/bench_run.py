@@ -135,9 +135,7 @@ def machine_info(device: str) -> dict:
 
         info["torch"] = torch.__version__
         info["transformers"] = transformers.__version__
-        if device == "cuda":
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        # the GPU's name comes from the workers: a CUDA context here would take GPU memory
     except Exception:
         pass
     try:
@@ -363,6 +361,10 @@ def _runs_of(results: list[dict]) -> list[dict]:
 def finalize(doc: dict) -> dict:
     """(Re)compute summary, ratios and token check from the recorded runs."""
     runs = _runs_of(doc.get("results", []))
+    for res in doc.get("results", []):
+        if res.get("gpu") and isinstance(doc.get("machine"), dict):
+            doc["machine"].setdefault("gpu", res["gpu"])
+            doc["machine"].setdefault("gpu_memory_bytes", res.get("gpu_memory_bytes"))
     bw = (doc.get("disk_bw") or {}).get("bytes_per_s")
     rows = bench_report.summarize(runs, bw)
     doc["summary"] = rows

@@ -334,10 +334,13 @@ def main() -> int:
         if threads:
             torch.set_num_threads(int(threads))
         device = spec["device"]
-        if device == "cuda" and not torch.cuda.is_available():
-            from zipmoe.errors import DeviceError
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                from zipmoe.errors import DeviceError
 
-            raise DeviceError("--device cuda but torch sees no CUDA device")
+                raise DeviceError("--device cuda but torch sees no CUDA device")
+            doc["gpu"] = torch.cuda.get_device_name(0)
+            doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         from . import bench_cold, bench_engines
 
         cold_paths = spec.get("cold_paths") or []
