@@ -291,30 +291,41 @@ class LayerScheduler:
                 t0 = time.perf_counter()
                 compute(e, weights_of(e))
                 counters.add_time("compute", time.perf_counter() - t0)
-        while inflight:
-            t0 = time.perf_counter()
-            f, exc = done_q.get()
-            counters.add_time("wait", time.perf_counter() - t0)
-            e = f.tensor.expert
-            if exc is not None:
-                errors.append(exc)
-            remaining[e] -= 1
-            if remaining[e]:
-                continue
-            inflight -= 1
-            if not errors:
-                if self.cuda:
-                    self._to_device(fetches[e])
+        try:
+            while inflight:
                 t0 = time.perf_counter()
-                compute(e, weights_of(e))
-                counters.add_time("compute", time.perf_counter() - t0)
-                self._admit(fetches[e])
-            rt.release(reserved.pop(e))
-            fetches.pop(e, None)
-            if not errors:
-                while order and inflight < W:
-                    issue(order.popleft())
-                    inflight += 1
+                f, exc = done_q.get()
+                counters.add_time("wait", time.perf_counter() - t0)
+                e = f.tensor.expert
+                if exc is not None:
+                    errors.append(exc)
+                remaining[e] -= 1
+                if remaining[e]:
+                    continue
+                inflight -= 1
+                if not errors:
+                    if self.cuda:
+                        self._to_device(fetches[e])
+                    t0 = time.perf_counter()
+                    compute(e, weights_of(e))
+                    counters.add_time("compute", time.perf_counter() - t0)
+                    self._admit(fetches[e])
+                rt.release(reserved.pop(e))
+                fetches.pop(e, None)
+                if not errors:
+                    while order and inflight < W:
+                        issue(order.popleft())
+                        inflight += 1
+        except BaseException:
+            # Ctrl-C (or an error in compute): let the jobs in flight finish, so that no
+            # thread writes into buffers we drop and the byte accounting stays exact
+            pending = sum(remaining[e] for e in reserved)
+            while pending > 0:
+                f, _ = done_q.get()
+                pending -= 1
+            for e in list(reserved):
+                rt.release(reserved.pop(e))
+            raise
         if errors:
             exc = errors[0]
             if isinstance(exc, ContainerError):

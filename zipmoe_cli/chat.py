@@ -1,12 +1,187 @@
-"""`zipmoe chat`: placeholder until its issue lands (see docs/architecture.md)."""
+"""`zipmoe chat FILE.zmoe`: talk to a model served from its container under a memory budget.
+
+Interactive by default (the model's chat template, multi-turn history, tokens streamed;
+``/reset``, ``/stats``, ``/exit``; Ctrl-C stops the current answer and keeps the conversation).
+``--prompt TEXT`` answers one turn and exits; with ``--json`` it prints one JSON document
+(``token_ids``, ``text``, ``stats``). The work is done by :func:`zipmoe.runtime.loader.load` and
+:func:`zipmoe.runtime.generate.generate_turn`.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
 
 from .app import app
 
 
-@app.command(name="chat", help="(not implemented yet)")
-def chat() -> None:
-    from zipmoe.errors import ZipmoeError
+def _mb(n) -> str:
+    return f"{(n or 0) / 1e6:.1f} MB"
 
-    raise ZipmoeError("`zipmoe chat` is not implemented yet")
+
+def stats_line(s: dict) -> str:
+    parts = []
+    if s.get("ttft_s") is not None:
+        parts.append(f"ttft {s['ttft_s']:.2f} s")
+    if s.get("tpot_s") is not None:
+        parts.append(f"tpot {s['tpot_s'] * 1000:.0f} ms")
+    parts.append(f"{s.get('tokens_per_s', 0.0):.1f} tok/s")
+    hits = s.get("hits")
+    if hits:
+        rate = s.get("hit_rate")
+        rate_s = f"{rate * 100:.0f}% full" if rate is not None else "no experts"
+        parts.append(f"hits {rate_s} (full {hits['full']}, compressed {hits['compressed']}, sm-only {hits['sm_only']}, "
+                     f"e-only {hits['e_only']}, miss {hits['none']})")
+        parts.append(f"read {_mb(s.get('bytes_read'))}")
+    return " · ".join(parts)
+
+
+def _describe(model, threads: int) -> str:
+    from zipmoe.units import format_size
+
+    rt = model.zipmoe
+    d = rt.describe()
+    pools = ", ".join(f"{k.replace('_', '-')} {format_size(v)}" for k, v in d["pools"].items() if v)
+    where = " (full pool on the GPU, others in host memory)" if d["device"].startswith("cuda") else ""
+    return (f"{rt.family.name}: {len(rt.sparse_layers)} sparse layers × {rt.num_experts} experts (top-{rt.top_k}); "
+            f"budget {format_size(d['budget'])}{where}: dense {format_size(d['dense_bytes'])}, "
+            f"working {format_size(d['working_bytes'])}, pools [{pools or 'none'}] ({d['split']} split); "
+            f"experts {format_size(d['expert_bytes_full'])} bf16 / {format_size(d['expert_bytes_stored'])} stored; "
+            f"{d['workers']} decode workers, {threads} torch threads, {'O_DIRECT' if d['direct_io'] else 'buffered'} reads")
+
+
+def _cumulative(model) -> str:
+    from zipmoe.units import format_size
+
+    rt = model.zipmoe
+    c = rt.counters.snapshot()
+    t = c["time_s"]
+    pools = rt.cache.summary()
+    pool_s = ", ".join(f"{k.replace('_', '-')} {v['tensors']} tensors {format_size(v['used'])}/{format_size(v['capacity'])}"
+                       for k, v in pools.items())
+    h = c["hits"]
+    total = sum(h.values()) or 1
+    return (f"since load: read {_mb(c['bytes_read'])} in {c['reads']} reads; hits "
+            + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in h.items())
+            + f"; stage seconds read {t['read']:.2f}, decode {t['decode']:.2f}, merge {t['merge']:.2f}, "
+              f"compute {t['compute']:.2f}, wait {t['wait']:.2f}; peak held {format_size(c['peak_held_bytes'])} "
+              f"of {format_size(rt.budget)}\npools: {pool_s}")
+
+
+@app.command(name="chat")
+def chat(
+    file: Path = typer.Argument(..., help="The .zmoe file."),
+    budget: str = typer.Option("8G", "--budget", help="Memory for weights: dense + expert cache + in-flight (e.g. 8G, 512M)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `zipmoe plan` (cache pool sizes)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest answer in tokens."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (default: the model's)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling (default: the model's)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (deterministic)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Answer this one message and exit."),
+    as_json: bool = typer.Option(False, "--json", help="With --prompt: print one JSON document."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Record the experts chosen per layer per token (JSON lines)."),
+    workers: int = typer.Option(0, "--workers", help="Decompression threads (default: half the cores)."),
+    threads: int = typer.Option(0, "--threads", help="Torch threads (default: the cores the workers leave)."),
+    warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
+) -> None:
+    """Chat with a model served from its container, bit-identical to the original."""
+    from rich.console import Console
+
+    from zipmoe.errors import UsageError, ZipmoeError
+    from zipmoe.runtime.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.loader import default_threads, default_workers, load
+    from zipmoe.units import parse_size
+
+    if as_json and prompt is None:
+        raise UsageError("--json needs --prompt (one turn, one JSON document)")
+    if max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if temperature is not None and temperature < 0:
+        raise UsageError("--temperature must be 0 or more")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if workers < 0 or threads < 0:
+        raise UsageError("--workers and --threads must be at least 1")
+    budget_bytes = parse_size(budget)
+    workers = workers or default_workers()
+    threads = threads or default_threads(workers)
+    err = Console(stderr=True, highlight=False)
+    out = Console(highlight=False, soft_wrap=True)
+    quiet = as_json
+
+    if not quiet:
+        err.print(f"[dim]loading {file} …[/dim]")
+    model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
+                            warm=warm, trace=trace_out)
+    rt = model.zipmoe
+    if tokenizer is None:
+        rt.close()
+        raise UsageError(f"{file} has no tokenizer files: chat needs one (use zipmoe.load and token ids)")
+    if not quiet:
+        err.print(f"[dim]{_describe(model, threads)}[/dim]")
+    base = [{"role": "system", "content": system}] if system else []
+
+    def turn(messages, stream: bool):
+        inputs = chat_inputs(tokenizer, messages, rt.device)
+
+        def on_text(t):
+            out.print(t, end="", markup=False)
+
+        return generate_turn(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
+                             temperature=temperature, top_p=top_p, seed=seed, on_text=on_text if stream else None)
+
+    try:
+        if prompt is not None:
+            res = turn(base + [{"role": "user", "content": prompt}], stream=not as_json)
+            if as_json:
+                sys.stdout.write(json.dumps({"token_ids": res.token_ids, "text": res.text, "stats": res.stats,
+                                             "interrupted": res.interrupted}, indent=2) + "\n")
+            else:
+                out.print()
+                err.print(f"[dim]{stats_line(res.stats)}[/dim]")
+            return
+        err.print("[dim]/reset clears the conversation, /stats shows counters, /exit quits; "
+                  "Ctrl-C stops an answer[/dim]")
+        history = list(base)
+        while True:
+            try:
+                line = input(">>> ")
+            except (EOFError, KeyboardInterrupt):
+                out.print()
+                return
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit", "/bye"):
+                return
+            if text == "/reset":
+                history = list(base)
+                err.print("[dim]conversation cleared[/dim]")
+                continue
+            if text == "/stats":
+                err.print(f"[dim]{_cumulative(model)}[/dim]")
+                continue
+            if text.startswith("/"):
+                err.print("[dim]commands: /reset, /stats, /exit[/dim]")
+                continue
+            history.append({"role": "user", "content": text})
+            try:
+                res = turn(history, stream=True)
+            except ZipmoeError as exc:  # e.g. a corrupted chunk: say it, drop the turn, go on
+                out.print()
+                err.print(f"[red]zipmoe: error: {str(exc).splitlines()[0]}[/red]")
+                history.pop()
+                continue
+            out.print()
+            history.append({"role": "assistant", "content": res.text})
+            note = " (stopped)" if res.interrupted else ""
+            err.print(f"[dim]{stats_line(res.stats)}{note}[/dim]")
+    finally:
+        rt.close()
