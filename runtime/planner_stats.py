@@ -90,7 +90,12 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
     files, steps = [], 0
     for path in paths:
         path = Path(path)
-        header, lines = read_trace(path, container_id=container_id)
+        header, lines = read_trace(path)
+        if not isinstance(header, dict) or "container_id" not in header:
+            raise UsageError(f"{path} is not a zipmoe trace (its first line has no container_id)")
+        if container_id is not None and header["container_id"] != container_id:
+            raise ModelError(f"trace {path} was recorded on another model (container {header['container_id']}, "
+                             f"this one is {container_id})")
         if header.get("num_experts") not in (None, num_experts):
             raise ModelError(f"trace {path} has {header.get('num_experts')} experts per layer, the container {num_experts}")
         if header.get("top_k") not in (None, top_k):

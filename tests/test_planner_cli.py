@@ -159,3 +159,23 @@ def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(contain
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
+
+
+def test_not_a_trace_and_missing_prompts_fail_before_measuring(container, tmp_path, capsys):
+    path, _ = container
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n')
+    code, _, err = _run(["plan", path, "--budget", "1M", "--trace", bad], capsys)
+    assert code == 2 and "not a zipmoe trace" in err
+    code, _, err = _run(["plan", path, "--budget", "1M", "--calibrate", tmp_path / "none.txt"], capsys)
+    assert code == 2 and "cannot read prompts" in err
+    assert not (tmp_path / "cache").exists()  # nothing was measured
+
+
+def test_profile_only_shows_the_profile(container, tmp_path, capsys):
+    path, cid = container
+    prof = _profile(path, cid, tmp_path)
+    code, stdout, _ = _run(["plan", path, "--profile-only", "--profile", prof, "--json"], capsys)
+    assert code == 0 and json.loads(stdout)["costs"]["disk_bw"] == 1.0e9
+    code, stdout, _ = _run(["plan", path, "--profile-only", "--profile", prof], capsys)
+    assert code == 0 and "O_DIRECT" in stdout and "decompress" in stdout

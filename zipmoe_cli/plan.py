@@ -46,20 +46,25 @@ def _device(name: str) -> str:
     return name
 
 
-def _calibrate(path: Path, prompts_arg: str, budget: int, device: str, workers: int, max_new_tokens: int = 32) -> Path:
+def _read_prompts(prompts_arg: str) -> list[str]:
+    from zipmoe.errors import UsageError
+
+    if prompts_arg == "builtin":
+        return list(BUILTIN_PROMPTS)
+    p = Path(prompts_arg)
+    try:
+        prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as exc:
+        raise UsageError(f"cannot read prompts {p}: {exc.strerror or exc} (one prompt per line, or `builtin`)") from None
+    if not prompts:
+        raise UsageError(f"{p} has no prompts (one per line)")
+    return prompts
+
+
+def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32) -> Path:
     """Run the model on prompts through the runtime with a trace on; returns the trace path."""
     from zipmoe.errors import UsageError, ZipmoeError
 
-    if prompts_arg == "builtin":
-        prompts = BUILTIN_PROMPTS
-    else:
-        p = Path(prompts_arg)
-        try:
-            prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except OSError as exc:
-            raise UsageError(f"cannot read prompts {p}: {exc.strerror or exc} (one prompt per line, or `builtin`)") from None
-        if not prompts:
-            raise UsageError(f"{p} has no prompts (one per line)")
     try:
         import torch
 
@@ -158,6 +163,24 @@ def plan(
     if budget_bytes is not None and budget_bytes < layout.min_budget(workers):
         make_plan(layout, budget_bytes, None, {}, workers=workers)  # raises BudgetError with the minimum
 
+    # activation statistics first: a bad trace or prompts file fails before anything is measured
+    stats = None
+    if not profile_only:
+        traces = list(trace or [])
+        if traces:  # validate the given traces before calibrating or measuring
+            from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
+                        layers=layout.sparse_layers)
+        if calibrate is not None:
+            prompts = _read_prompts(calibrate)
+            if not as_json:
+                err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
+            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers))
+        if traces:
+            stats = from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
+                                layers=layout.sparse_layers)
+        else:
+            stats = uniform(layout.num_experts, layout.top_k, layout.sparse_layers, cid)
+
     if not as_json:
         err.print("[dim]hardware profile: measuring or reusing (a few seconds the first time)...[/dim]")
     prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure)
@@ -177,16 +200,6 @@ def plan(
                       f"({prof['compute']['torch_threads']} torch threads)")
         return
 
-    traces = list(trace or [])
-    if calibrate is not None:
-        if not as_json:
-            err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
-        traces.append(_calibrate(path, calibrate, budget_bytes, dev, workers))
-    if traces:
-        stats = from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
-                            layers=layout.sparse_layers)
-    else:
-        stats = uniform(layout.num_experts, layout.top_k, layout.sparse_layers, cid)
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
                        profile_path=str(profile) if profile is not None else None)
     if out is not None:
