@@ -62,6 +62,11 @@ class ContainerLayout:
     def min_budget(self, workers: int) -> int:
         return self.dense_bytes + self.scratch_bytes(workers) + self.expert_working
 
+    def window(self, budget: int, workers: int) -> int:
+        """Experts the runtime keeps in flight at once under ``budget`` (runtime.core)."""
+        left = budget - self.dense_bytes - self.scratch_bytes(workers)
+        return max(1, min(workers + 2, left // max(1, self.expert_working)))
+
     def pool_bytes(self, budget: int, workers: int) -> int:
         """What the runtime leaves for the pools under ``budget`` (0 when below the minimum)."""
         left = budget - self.dense_bytes - self.scratch_bytes(workers)

@@ -151,11 +151,12 @@ def count_distribution(q: np.ndarray, k: int, slots: dict[str, int]) -> tuple[np
 class MakespanTable:
     """Simulated layer makespan for every count vector, for one tensor layout, L and costs."""
 
-    def __init__(self, k: int, tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs) -> None:
-        self.k, self.tensors, self.L, self.costs = k, tuple(map(tuple, tensors)), L, costs
+    def __init__(self, k: int, tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs,
+                 window: int | None = None) -> None:
+        self.k, self.tensors, self.L, self.costs, self.window = k, tuple(map(tuple, tensors)), L, costs, window
         self.comps = compositions(k)
         self.values = np.array([
-            makespan_for_counts(dict(zip(POOL_ORDER, map(int, c))), self.tensors, L, costs) for c in self.comps
+            makespan_for_counts(dict(zip(POOL_ORDER, map(int, c))), self.tensors, L, costs, window) for c in self.comps
         ])
 
 

@@ -32,8 +32,10 @@ ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill
 class Planner:
     """The objective for one container, statistics, costs and worker count."""
 
-    def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int) -> None:
+    def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int,
+                 window: int | None = None) -> None:
         self.layout, self.stats, self.profile, self.workers = layout, stats, profile, int(workers)
+        self.window = window
         self.costs = costs_of(profile)
         k = layout.top_k
         cache: dict[bytes, np.ndarray] = {}
@@ -44,7 +46,7 @@ class Planner:
             if key not in cache:
                 cache[key] = solve_cps(p, k)
             rows.append(cache[key])
-        self.table = MakespanTable(k, layout.tensors, self.workers, self.costs)
+        self.table = MakespanTable(k, layout.tensors, self.workers, self.costs, window)
         self.layers = LayerSet(np.stack(rows), k, self.table)
         measured = profile.get("costs", {}).get("dense_s_per_token")
         if measured is not None:  # served through the runtime (runtime.profile.measure_runtime)
@@ -85,7 +87,8 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
             f"({minimum} bytes: dense weights {format_size(layout.dense_bytes)} + one expert in flight and "
             f"decode scratch {format_size(minimum - layout.dense_bytes)})"
         )
-    planner = Planner(layout, stats, profile, workers)
+    window = layout.window(budget, workers)
+    planner = Planner(layout, stats, profile, workers, window)
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.sparse_layers)
     per_layer = pool_bytes // n
@@ -121,6 +124,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "unused_bytes": int(pool_bytes - used),
         "device": device,
         "workers": int(workers),
+        "window": int(window),
         "pools": chosen["pools"],
         "slots": {
             "per_layer": chosen["slots"],

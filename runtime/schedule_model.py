@@ -34,11 +34,11 @@ Public API (exact signatures)::
           merge_overhead_s: float = 0.0, merge_on_workers: bool = False)
     durations(task: Task, costs: Costs) -> tuple[float, float, float]   # (read_s, decomp_s, merge_s)
     order(tasks: Sequence[Task]) -> list[int]          # priority list (indices into tasks)
-    schedule(tasks, L: int, costs) -> Schedule         # every op's start/end, the makespan
-    simulate(tasks, L: int, costs) -> float            # makespan in seconds
+    schedule(tasks, L: int, costs, window: int | None = None) -> Schedule   # every op's start/end
+    simulate(tasks, L: int, costs, window: int | None = None) -> float     # makespan in seconds
     lower_bound(tasks, L: int, costs) -> float         # a lower bound on any schedule's makespan
     layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]]) -> list[Task]
-    makespan_for_counts(counts, tensors, L, costs) -> float  (memoised simulate of layer_tasks)
+    makespan_for_counts(counts, tensors, L, costs, window=None) -> float  (memoised simulate of layer_tasks)
 
 What the numbers count (normative; runtime.profile measures exactly these):
 
@@ -177,8 +177,13 @@ def _group_keys(tasks: Sequence[Task]) -> list[Hashable]:
     return [("__task__", i) if t.expert is None else ("__expert__", t.expert) for i, t in enumerate(tasks)]
 
 
-def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
-    """Run the greedy list schedule of :func:`order` as a discrete-event simulation."""
+def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = None) -> Schedule:
+    """Run the greedy list schedule of :func:`order` as a discrete-event simulation.
+
+    ``window``: at most this many experts that need loading are in flight at once (issued, not
+    yet computed), as runtime.core bounds its working buffers; experts are issued in priority
+    order and the next one enters when one computes. None: no limit.
+    """
     tasks = list(tasks)
     if L < 1:
         raise ValueError("L (decode workers) must be at least 1")
@@ -199,7 +204,6 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
     pending = {g: sum(1 for i in ms if tasks[i].state != "full") for g, ms in members.items()}
 
     disk_queue = [i for i in pri if tasks[i].state in ("none", "e_only", "sm_only")]
-    disk_pos = 0
     ready_decomp: list[tuple[int, int]] = []  # heap of (rank, task)
     ready_merge: list[tuple[int, int]] = []
     ready_compute: list[tuple[int, int, Hashable]] = []
@@ -209,10 +213,22 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
     fused = costs.merge_on_workers  # decompress+merge is one worker job, needing E and SM
     if fused:
         dur = [(r, d + m, 0.0) for r, d, m in dur]
-    for i in pri:
-        if tasks[i].state == "compressed" or (tasks[i].state == "e_only" and not fused):
-            heapq.heappush(ready_decomp, (rank[i], i))
     gid = {g: k for k, g in enumerate(members)}
+    to_issue = sorted((g for g in members if pending[g] > 0), key=lambda g: grank[g])
+    issued: set = set()
+    slots = len(to_issue) if window is None else max(1, int(window))
+
+    def issue_next() -> None:
+        nonlocal slots
+        while to_issue and slots > 0:
+            g = to_issue.pop(0)
+            slots -= 1
+            issued.add(g)
+            for i in sorted(members[g], key=lambda i: rank[i]):
+                if tasks[i].state == "compressed" or (tasks[i].state == "e_only" and not fused):
+                    heapq.heappush(ready_decomp, (rank[i], i))
+
+    issue_next()
     for g in members:
         if pending[g] == 0:
             heapq.heappush(ready_compute, (grank[g], gid[g], g))
@@ -231,9 +247,9 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
 
     while True:
         # dispatch everything that can start now
-        if disk_free and disk_pos < len(disk_queue):
-            i = disk_queue[disk_pos]
-            disk_pos += 1
+        nxt = next((p for p, i in enumerate(disk_queue) if gkeys[i] in issued), None) if disk_free else None
+        if nxt is not None:
+            i = disk_queue.pop(nxt)
             d = dur[i][0]
             sched.read[i] = (now, now + d)
             heapq.heappush(events, (now + d, seq, "read", i, None))
@@ -293,13 +309,16 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs) -> Schedule:
                     heapq.heappush(ready_compute, (grank[g], gid[g], g))
             else:  # compute
                 device_free = True
+                if payload in issued:
+                    slots += 1
+                    issue_next()
     sched.makespan = end
     return sched
 
 
-def simulate(tasks: Sequence[Task], L: int, costs: Costs) -> float:
+def simulate(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = None) -> float:
     """Makespan (seconds) of the list schedule of one sparse layer's tasks."""
-    return schedule(tasks, L, costs).makespan
+    return schedule(tasks, L, costs, window).makespan
 
 
 def _pre_merge(t: Task, d: tuple[float, float, float], fused: bool = False) -> float:
@@ -382,11 +401,14 @@ def layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int
 
 
 @lru_cache(maxsize=65536)
-def _makespan_cached(counts: tuple[int, ...], tensors: tuple[tuple[int, int, int], ...], L: int, costs: Costs) -> float:
-    return simulate(layer_tasks(dict(zip(STATES, counts)), tensors), L, costs)
+def _makespan_cached(counts: tuple[int, ...], tensors: tuple[tuple[int, int, int], ...], L: int, costs: Costs,
+                     window: int | None) -> float:
+    return simulate(layer_tasks(dict(zip(STATES, counts)), tensors), L, costs, window)
 
 
-def makespan_for_counts(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs) -> float:
+def makespan_for_counts(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs,
+                        window: int | None = None) -> float:
     """Memoised :func:`simulate` of :func:`layer_tasks` (the planner calls this many times)."""
     key = tuple(int(counts.get(s, 0)) for s in STATES)
-    return _makespan_cached(key, tuple(tuple(int(x) for x in t) for t in tensors), int(L), costs)
+    return _makespan_cached(key, tuple(tuple(int(x) for x in t) for t in tensors), int(L), costs,
+                            None if window is None else int(window))

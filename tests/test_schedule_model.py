@@ -186,3 +186,25 @@ def test_merge_on_workers_models_the_cpu_runtime():
     two = [Task("compressed", 2 * 10**6, 0, expert=0), Task("compressed", 2 * 10**6, 0, expert=1)]
     assert simulate(two, 2, c) == pytest.approx(4 + 0.5 + 0.5)
     assert lower_bound(two, 2, c) == pytest.approx(5.0)  # tight: the device waits 4 s for the first job
+
+
+@settings(max_examples=150, deadline=None)
+@given(layer_instance(), st.integers(1, 4))
+def test_window_bounds_experts_in_flight(inst, window):
+    tasks, L, costs = inst
+    s = schedule(tasks, L, costs, window)
+    _check_feasible(tasks, L, costs, s)
+    assert s.makespan >= lower_bound(tasks, L, costs) * (1 - 1e-9)
+    # an expert is in flight from its first op to the end of its compute
+    spans = {}
+    for i, t in enumerate(tasks):
+        if t.state == "full":
+            continue
+        starts = [x[0] for x in (s.read[i], s.decomp[i], s.merge[i]) if x is not None]
+        g = ("__expert__", t.expert)
+        a = min(starts)
+        spans[g] = (min(a, spans.get(g, (a, 0))[0]), s.compute[g][1])
+    for a, _ in spans.values():
+        live = sum(1 for b, e in spans.values() if b <= a < e)
+        assert live <= window
+    assert schedule(tasks, L, costs, 10**6).makespan == pytest.approx(s.makespan if window >= len(spans) else schedule(tasks, L, costs).makespan)
