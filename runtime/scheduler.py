@@ -15,14 +15,19 @@ e_only     read SM, decompress E, merge, compute    I
 none       read SM+E, decompress E, merge, compute  I
 ========== ======================================== ========
 
-Resources: one I/O thread (FIFO), ``workers`` decode threads (FIFO; each decompresses with its
-own DecodeContext into reusable scratch and merges with numba, both without the GIL), and the
-serving thread (the device), which computes. Order (the list schedule of the paper): reads are
-queued Type-I first, so the disk starts at once and stays busy; decompressions that need no
-read (``compressed``) are queued on the workers immediately, filling them while the first read
-runs; an expert computes as soon as all its tensors are whole (fully cached experts first, then
-in completion order), while the others load. The number of experts in flight is bounded by
-the *window* the budget leaves room for (working buffers are counted in the budget).
+Resources: one I/O thread, ``workers`` decode threads (each decompresses with its own
+DecodeContext into reusable scratch and merges with numba, both without the GIL: on the CPU
+the merge runs in the same worker job, ``Costs.merge_on_workers``), and the serving thread
+(the device), which computes. Order: the list schedule of
+:func:`zipmoe.runtime.schedule_model.order`, the one the planner simulates: the I/O thread and
+the workers each take the queued op that comes first in it (priority queues, not FIFO), i.e.
+Type I before Type II: ``none`` (shortest read first) < ``e_only`` < ``sm_only`` <
+``compressed`` (largest first). So the disk starts with Type-I reads and stays busy while the
+workers fill with Type-II decompressions, which need no read. An expert computes as soon as
+all its tensors are whole (fully cached experts first, then in completion order), while the
+others load. The number of experts in flight is bounded by the *window* the budget leaves room
+for (their working buffers are counted in the budget); experts enter it by their first task's
+rank.
 
 Bit-identity: experts are computed in whatever order they become ready, but their outputs are
 accumulated by the caller in ascending expert order, as transformers' eager loop does; the
@@ -36,20 +41,21 @@ straight into the tensor the expert computes with.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from zipmoe.errors import ContainerError
 
+from .schedule_model import Task, order as priority_order
 from .store import ExpertTensor, decode_exp_into, decode_into, slice_of
 
-__all__ = ["LayerScheduler", "issue_order", "expert_type"]
+__all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers"]
 
 _NEEDS_SM_READ = ("none", "e_only")
 
@@ -63,26 +69,50 @@ def expert_type(states: list) -> str:
     return "II"
 
 
-def issue_order(experts: list, states: dict) -> list:
-    """The order in which experts that need work enter the pipeline.
+def issue_order(experts: list, states: dict, tensors: dict) -> tuple[list, dict]:
+    """Experts that need work, in the order they enter the window, and each tensor's rank.
 
-    The first Type-I expert (its read starts the disk), then the Type-II experts that need no
-    read at all (compressed: they fill the workers during that read), then the other Type-I
-    experts, then Type-II experts that read their E chunks (sm_only). Within a class, ascending id.
+    Ranks come from :func:`schedule_model.order` over the layer's tensor tasks; an expert's
+    place is its best-ranked tensor's. Returns ``(experts, {uid: rank})``.
     """
-    t1, t2_noread, t2_read = [], [], []
+    tasks, uids = [], []
     for e in experts:
-        st = states[e]
-        kind = expert_type(st)
-        if kind == "full":
-            continue
-        if kind == "I":
-            t1.append(e)
-        elif any(s == "sm_only" for s in st):
-            t2_read.append(e)
-        else:
-            t2_noread.append(e)
-    return t1[:1] + t2_noread + t1[1:] + t2_read
+        for t, st in zip(tensors[e], states[e]):
+            tasks.append(Task(st or "none", t.full_bytes, t.e_bytes, t.sm_bytes, expert=e))
+            uids.append(t.uid)
+    rank = {}
+    for r, i in enumerate(priority_order(tasks)):
+        rank[uids[i]] = r
+    need = [e for e in experts if expert_type(states[e]) != "full"]
+    need.sort(key=lambda e: min(rank[t.uid] for t in tensors[e]))
+    return need, rank
+
+
+class PriorityWorkers:
+    """Threads that run queued jobs, the lowest rank first (ties: first queued first)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for th in self._threads:
+            th.start()
+
+    def submit(self, rank, fn, *args) -> None:
+        self._q.put((rank, next(self._seq), fn, args))
+
+    def _loop(self) -> None:
+        while True:
+            _, _, fn, args = self._q.get()
+            if fn is None:
+                return
+            fn(*args)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put((float("inf"), next(self._seq), None, ()))
+        for th in self._threads:
+            th.join()
 
 
 class _Fetch:
@@ -105,8 +135,8 @@ class LayerScheduler:
     def __init__(self, runtime, workers: int) -> None:
         self.rt = runtime
         self.workers = max(1, int(workers))
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zipmoe-io")
-        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="zipmoe-decode")
+        self.io = PriorityWorkers(1, "zipmoe-io")
+        self.pool = PriorityWorkers(self.workers, "zipmoe-decode")
         self._local = threading.local()
         self.device = runtime.device
         self.cuda = self.device.type == "cuda"
@@ -120,8 +150,8 @@ class LayerScheduler:
                 self.device_merge = False
 
     def close(self) -> None:
-        self.io.shutdown(wait=True)
-        self.pool.shutdown(wait=True)
+        self.io.shutdown()
+        self.pool.shutdown()
 
     # ------------------------------------------------------------------ worker side
     def _ctx(self):
@@ -176,7 +206,7 @@ class LayerScheduler:
         except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
             done(f, exc)
 
-    def _read_then_decode(self, f: _Fetch, done):
+    def _read_then_decode(self, f: _Fetch, done, rank):
         try:
             st = f.state
             need_e = st in (None, "none", "sm_only")
@@ -196,7 +226,7 @@ class LayerScheduler:
             except BaseException as exc:  # noqa: BLE001
                 done(f, exc)
 
-        self.pool.submit(decode)
+        self.pool.submit(rank, decode)
 
     # ------------------------------------------------------------------ serving side
     def run(self, layer, experts: list, compute) -> None:
@@ -223,7 +253,8 @@ class LayerScheduler:
         rt = self.rt
         cache = rt.cache
         counters = rt.counters
-        order = deque(issue_order(experts, states))
+        need, rank = issue_order(experts, states, tensors)
+        order = deque(need)
         done_q: queue.Queue = queue.Queue()
         remaining: dict[int, int] = {}
         fetches: dict[int, list] = {}
@@ -270,10 +301,11 @@ class LayerScheduler:
             for f in fl:
                 if f is None:
                     continue
+                r = rank[f.tensor.uid]
                 if f.state in ("compressed",):
-                    self.pool.submit(self._job, f, done)
+                    self.pool.submit(r, self._job, f, done)
                 else:
-                    self.io.submit(self._read_then_decode, f, done)
+                    self.io.submit(r, self._read_then_decode, f, done, r)
 
         def weights_of(e):
             ws = []
