@@ -1,0 +1,202 @@
+"""Runtime parts one at a time: cache policy, store reads, budget limits, errors, traces, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import zipmoe
+from zipmoe.errors import BudgetError, ChecksumError, DeviceError, ModelError
+from zipmoe.runtime.cache import ExpertCache
+from zipmoe.runtime.counters import Counters, delta
+from zipmoe.runtime.families import family_for, supported_names
+from zipmoe.runtime.loader import requirements, resolve_device
+from zipmoe.runtime.store import ExpertStore
+from zipmoe.runtime.trace import read_trace
+
+from test_runtime_fixtures import container, inputs, reference
+
+
+# ----------------------------------------------------------------------------- cache policy
+def test_cache_admits_more_frequent_only_and_keeps_one_state():
+    c = ExpertCache({"full": 100, "compressed": 60})
+    for uid in (1, 2):
+        c.touch(uid)
+        assert c.offer(uid, {"full": (50, f"t{uid}")}) == "full"
+    c.touch(3)  # same count as the residents: stays out of full, goes to compressed
+    assert c.offer(3, {"full": (50, "t3"), "compressed": (30, "c3")}) == "compressed"
+    for _ in range(2):
+        c.touch(3)
+    c.touch(2)  # 1 used once, 2 twice, 3 three times: 3 evicts 1 (least used)
+    assert c.offer(3, {"full": (50, "t3")}) == "full"
+    assert c.state_of(1) is None and c.state_of(2) == "full" and c.state_of(3) == "full"
+    assert c.pools["compressed"].used == 0  # promoted out of compressed: one state per tensor
+    assert c.pools["full"].used == 100
+    # pinned tensors are never evicted
+    for _ in range(5):
+        c.touch(4)
+    c.pinned = {2, 3}
+    assert c.offer(4, {"full": (50, "t4")}) is None
+    c.pinned = set()
+    assert c.offer(4, {"full": (50, "t4")}) == "full" and c.state_of(2) is None
+    assert c.used_bytes() == 100
+
+
+def test_cache_ties_go_to_the_least_recent():
+    c = ExpertCache({"full": 100})
+    for uid in (1, 2):
+        c.touch(uid)
+        c.offer(uid, {"full": (50, uid)})
+    c.touch(2)
+    c.touch(1)  # both used twice; 2 less recently
+    for _ in range(3):
+        c.touch(9)
+    assert c.offer(9, {"full": (50, 9)}) == "full"
+    assert c.state_of(2) is None and c.state_of(1) == "full"
+
+
+# ----------------------------------------------------------------------------- store
+def test_store_reads_same_bytes_direct_or_not(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data.tobytes())
+    for direct in (True, False):
+        c = Counters()
+        s = ExpertStore(p, c, direct=direct)
+        for off, ln in ((0, 10), (4095, 2), (5000, 7000), (3 * 4096, 123)):
+            assert np.array_equal(s.read(off, ln), data[off:off + ln])
+        assert c.bytes_read == 10 + 2 + 7000 + 123 and c.reads == 4
+        assert c.bytes_read_disk >= c.bytes_read
+        s.close()
+
+
+def test_counters_delta():
+    c = Counters()
+    a = c.snapshot()
+    c.add_read(10, 4096, 0.5)
+    c.add_hit("full")
+    c.add_hit(None)
+    c.add_layer(3, 0.25, 2)
+    d = delta(c.snapshot(), a)
+    assert d["bytes_read"] == 10 and d["hits"]["full"] == 1 and d["hits"]["none"] == 1
+    assert d["layer_makespan_s"]["3"][1] == 1 and d["time_s"]["read"] == 0.5
+    json.dumps(c.snapshot())
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ModelError) as e:
+        family_for({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    msg = str(e.value)
+    assert "LlamaForCausalLM" in msg and all(n in msg for n in supported_names())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_gpu():
+    with pytest.raises(DeviceError):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_budget_minimum_is_exact(tmp_path_factory):
+    _, path = container(tmp_path_factory, "qwen3_moe")
+    req = requirements(path, workers=1)
+    with pytest.raises(BudgetError) as e:
+        zipmoe.load(path, budget=req["min_budget"] - 1, workers=1)
+    assert str(req["min_budget"]) in str(e.value) and "at least" in str(e.value)
+    model, _ = zipmoe.load(path, budget=req["min_budget"], workers=1)
+    assert model.zipmoe.window == 1 and sum(model.zipmoe.pools.values()) == 0
+    model.zipmoe.close()
+
+
+def test_corrupted_chunk_names_the_tensor_and_never_computes(tmp_path_factory, tmp_path):
+    src, path = container(tmp_path_factory, "qwen3_moe")
+    bad = tmp_path / "bad.zmoe"
+    shutil.copy(path, bad)
+    from zipmoe.codecs.reader import ContainerReader
+
+    with ContainerReader(bad) as r:
+        layer0 = min(e.layer for e in r.entries if e.role == "expert")
+        chunks = [(e.name, [c for c in e.chunks if c.kind == "exp"][0]) for e in r.entries
+                  if e.role == "expert" and e.layer == layer0]
+    with open(bad, "r+b") as f:
+        for _, c in chunks:
+            f.seek(c.offset + c.length // 2)
+            b = f.read(1)
+            f.seek(c.offset + c.length // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+    model, _ = zipmoe.load(bad, budget="64M", workers=1)
+    rt = model.zipmoe
+    batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=1)
+    with pytest.raises(ChecksumError) as e, torch.no_grad():
+        model(**batch)
+    assert "checksum mismatch" in str(e.value) and str(e.value).split()[1] in {n for n, _ in chunks}
+    assert rt._inflight == 0 and not rt.cache.pinned
+    assert rt.cache.used_bytes() == 0  # nothing of layer 0 was admitted (its tensors all failed)
+    rt.close()
+
+
+def test_plan_larger_than_budget_is_scaled(tmp_path_factory):
+    _, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=1)
+    probe, _ = zipmoe.load(path, budget=req["min_budget"], workers=1)
+    cid = probe.zipmoe.container_id
+    probe.zipmoe.close()
+    plan = {"container_id": cid, "pools": {"full": 10 << 30, "compressed": 10 << 30}}
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1, plan=plan)
+    rt = model.zipmoe
+    assert rt.pools["full"] == rt.pools["compressed"] > 0
+    assert rt.held_bytes() + sum(rt.pools.values()) - rt.cache.used_bytes() <= rt.budget
+    rt.close()
+
+
+# ----------------------------------------------------------------------------- trace, Ctrl-C
+def test_trace_records_every_step(tmp_path_factory, tmp_path):
+    src, path = container(tmp_path_factory, "switch_transformers")
+    model, _ = zipmoe.load(path, budget="64M", workers=1)
+    rt = model.zipmoe
+    out = tmp_path / "t.jsonl"
+    rt.start_trace(out)
+    batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], True, batch=2)
+    with torch.no_grad():
+        model(**batch)
+        model(**batch)
+    rt.stop_trace()
+    header, steps = read_trace(out, container_id=rt.container_id)
+    assert header["container_id"] == rt.container_id and header["num_experts"] == 8
+    assert len(steps) == 2
+    layers = steps[0]
+    assert set(layers) == {str(x) for x in header["layers"]}
+    enc = str(header["layers"][0])
+    assert len(layers[enc]) == batch["input_ids"].numel() and all(len(x) <= 1 for x in layers[enc])
+    with pytest.raises(ModelError):
+        read_trace(out, container_id="other")
+    rt.close()
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_runtime_consistent(tmp_path_factory):
+    from zipmoe.runtime.generate import generate_turn
+
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["min_budget"], workers=1)
+    rt = model.zipmoe
+    batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=1)
+    seen = []
+
+    def on_text(t):
+        seen.append(t)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    res = generate_turn(model, None, batch, max_new_tokens=8, greedy=True, on_text=on_text)
+    assert res.interrupted and len(res.token_ids) == 2
+    assert rt._inflight == 0 and not rt.cache.pinned
+    ref = reference(src)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    rt.close()
