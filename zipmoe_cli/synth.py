@@ -64,6 +64,7 @@ def synth(
 
 
 def _print_list(console, family) -> None:
+    from rich.console import Console
     from rich.table import Table
 
     from zipmoe.runtime.synth import preset_table
@@ -75,7 +76,7 @@ def _print_list(console, family) -> None:
     for row in preset_table(family):
         table.add_row(row["family"], row["preset"], row["source"], _count(row["params"]),
                       f"{100 * row['expert_params'] / row['params']:.0f}%", format_size(row["bf16_bytes"]))
-    console.print(table)
+    Console(width=max(console.width, 120)).print(table)
     console.print("demo: SmolLM2-135M-Instruct upcycled into a Mixtral MoE (`zipmoe synth demo -o DIR "
                   "[--experts 8] [--top-k 2]`)")
 

