@@ -12,6 +12,11 @@ Budget accounting mirrors runtime.core.Runtime::
     window = min(workers + 2, what fits), at least 1
     min budget = dense + scratch + expert_working
 
+``decode_layers`` are the sparse layers one decode step runs: all of them for decoder-only
+models, the decoder's for SwitchTransformers (its layer numbers follow the encoder's; see
+codecs.naming.switch_layer). The planner plans slots for those layers: the runtime's cache
+counts uses per layer call, so the encoder's experts (used once per prompt) do not stay cached.
+
 ``dense_bytes`` is the decoded size of the container's dense entries (the runtime counts its
 resident parameters, which can differ by tied weights or fp32 routers; when a plan's pools do
 not fit, the runtime scales them down keeping their shape).
@@ -42,6 +47,11 @@ class ContainerLayout:
     expert_working: int  # runtime.core: max per expert of bf16 + staging bytes
     max_segment: int  # largest segment numel (decode scratch)
     total_expert_full: int  # all experts, bf16
+    decode_layers: list[int] | None = None  # sparse layers a decode step runs (seq2seq: the decoder's)
+
+    def __post_init__(self) -> None:
+        if self.decode_layers is None:
+            self.decode_layers = list(self.sparse_layers)
 
     @property
     def tensors(self) -> list[tuple[int, int, int]]:
@@ -104,9 +114,10 @@ def container_layout(reader) -> ContainerLayout:
         raise ModelError(f"{reader.path} has no expert tensors: there is nothing to plan")
     sparse_layers = sorted({l for l, _ in experts})
     num_experts = int(meta_model.get("num_experts") or (max(e for _, e in experts) + 1))
-    top_k = int(meta_model.get("top_k") or 0)
-    if top_k < 1:
-        raise ModelError(f"{reader.path} does not record the router's top_k")
+    top_k = meta_model.get("top_k")
+    if not isinstance(top_k, int) or top_k < 1:  # as runtime.loader: config keys, else top-1 (Switch)
+        cfg = reader.config or {}
+        top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
     # the mean expert, unit by unit
     n = len(experts)
     names = [u for u, _ in family.units]
@@ -117,6 +128,12 @@ def container_layout(reader) -> ContainerLayout:
                       round(sum(t.e_bytes for t in ts) / n), round(sum(t.sm_bytes for t in ts) / n)))
     working = max(sum(t.full_bytes + t.staging_bytes() for t in ts) for ts in experts.values())
     max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
+    decode_layers = sparse_layers
+    if family.auto == "seq2seq":  # encoder layers run once per prompt, not per output token
+        cfg = reader.config or {}
+        n_enc = cfg.get("encoder_layers", cfg.get("num_layers"))
+        if isinstance(n_enc, int):
+            decode_layers = [l for l in sparse_layers if l >= n_enc] or sparse_layers
     dense = [e for e in reader.entries if e.role == "dense"]
     dense_bytes = sum(e.nbytes for e in dense)
     dense_mm = sum(e.nbytes for e in dense if len(e.shape) == 2 and "embed" not in e.name and not e.name.endswith("shared.weight"))
@@ -126,4 +143,5 @@ def container_layout(reader) -> ContainerLayout:
         top_k=top_k, sparse_layers=sparse_layers, dense_bytes=dense_bytes, dense_matmul_bytes=dense_mm,
         units=units, expert_full_bytes=sum(u[2] for u in units), expert_working=working, max_segment=max_seg,
         total_expert_full=sum(t.full_bytes for ts in experts.values() for t in ts),
+        decode_layers=list(decode_layers),
     )

@@ -40,7 +40,7 @@ class Planner:
         k = layout.top_k
         cache: dict[bytes, np.ndarray] = {}
         rows = []
-        for l in layout.sparse_layers:
+        for l in layout.decode_layers:
             p = np.asarray(stats.rank_p[l], dtype=np.float64)
             key = p.tobytes()
             if key not in cache:
@@ -66,7 +66,7 @@ class Planner:
         per_layer = self.layers.expected(slots)
         hits = self.layers.hits(slots).mean(axis=0)
         sb = self.layout.slot_bytes
-        n = len(self.layout.sparse_layers)
+        n = len(self.layout.decode_layers)
         return {
             "slots": {p: int(slots.get(p, 0)) for p in POOLS},
             "pools": {p: int(slots.get(p, 0)) * sb[p] * n for p in POOLS},
@@ -90,7 +90,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     window = layout.window(budget, workers)
     planner = Planner(layout, stats, profile, workers, window)
     pool_bytes = layout.pool_bytes(budget, workers)
-    n = len(layout.sparse_layers)
+    n = len(layout.decode_layers)
     per_layer = pool_bytes // n
     res = search(planner.sparse_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
                  experts=layout.num_experts)
@@ -128,7 +128,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "pools": chosen["pools"],
         "slots": {
             "per_layer": chosen["slots"],
-            "sparse_layers": n,
+            "sparse_layers": n,  # the layers one decode step runs (seq2seq: the decoder's)
             "experts_per_layer": layout.num_experts,
             "top_k": layout.top_k,
             "slot_bytes": layout.slot_bytes,
