@@ -81,15 +81,16 @@ def read_plan(plan, container_id: str) -> dict:
     return {"pools": pools, "raw": plan}
 
 
-def _sizes(expert_tensors: dict, workers: int) -> tuple[int, int]:
-    per_expert = [sum(working_bytes_of(t) for t in ts) for ts in expert_tensors.values()] or [0]
+def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int, int]:
+    extra = 1 if cuda else 0  # on CUDA: + pinned host staging of the bf16 (or E+SM) bytes
+    per_expert = [sum(working_bytes_of(t) + extra * t.full_bytes for t in ts) for ts in expert_tensors.values()] or [0]
     max_seg = max((s.numel for ts in expert_tensors.values() for t in ts for s in t.segments), default=0)
     return max(per_expert), max(1, workers) * 2 * max_seg
 
 
-def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int) -> dict:
+def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda: bool = False) -> dict:
     """See :func:`zipmoe.runtime.loader.requirements`."""
-    expert_working, scratch = _sizes(expert_tensors, workers)
+    expert_working, scratch = _sizes(expert_tensors, workers, cuda)
     all_t = [t for ts in expert_tensors.values() for t in ts]
     full = sum(t.full_bytes for t in all_t)
     window = max(1, workers) + 2
@@ -135,7 +136,7 @@ class Runtime:
         self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
         # working set: one expert in flight = its bf16 buffers + read buffers; plus the
         # exp (and sm, if not raw) decode scratch of each worker
-        self.expert_working, self.scratch_bytes = _sizes(expert_tensors, self.workers)
+        self.expert_working, self.scratch_bytes = _sizes(expert_tensors, self.workers, self.device.type == "cuda")
         self.min_budget = self.dense_bytes + self.scratch_bytes + self.expert_working
         if self.budget < self.min_budget:
             raise BudgetError(
@@ -169,7 +170,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ accounting
     def working_bytes(self, t) -> int:
-        return working_bytes_of(t)
+        return working_bytes_of(t) + (t.full_bytes if self.device.type == "cuda" else 0)
 
     def held_bytes(self) -> int:
         return self.dense_bytes + self.scratch_bytes + self.cache.used_bytes() + self._inflight

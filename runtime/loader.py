@@ -298,7 +298,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
     if dry:
         from .core import dry_requirements
 
-        return dry_requirements(expert_tensors, dense_bytes, workers)
+        return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
     rt = Runtime(
         path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,

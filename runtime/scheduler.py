@@ -118,7 +118,7 @@ class PriorityWorkers:
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host")
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
@@ -129,6 +129,7 @@ class _Fetch:
         self.host = None
         self.exp_host = None
         self.sm_host = None
+        self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
 
 
 class LayerScheduler:
@@ -180,12 +181,18 @@ class LayerScheduler:
         timer = self.rt.counters.add_time
         if self.cuda and self.device_merge:
             decode_exp_into(t, f.e_parts, f.exp_host, ctx, verify_e)
+            from zipmoe.codecs.exponent import get_codec
+
+            from .store import verify
+
             for seg, sm in zip(t.segments, f.sm_parts):
                 if verify_sm:
-                    from .store import verify
-
                     verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
-                f.sm_host[seg.dst : seg.dst + seg.numel] = sm
+                dst = f.sm_host[seg.dst : seg.dst + seg.numel]
+                if seg.sm_chunk.codec == "raw":
+                    dst[:] = sm
+                else:
+                    get_codec(seg.sm_chunk.codec).decompress_into(sm, dst, ctx)
             return
         target = f.host if self.cuda else f.out
         out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
@@ -291,11 +298,14 @@ class LayerScheduler:
                 t = f.tensor
                 f.out = torch.empty(t.shape, dtype=torch.bfloat16, device=rt.device)
                 if self.cuda:
+                    pin = self.device.type == "cuda"  # (False only when a test forces this path on the CPU)
                     if self.device_merge:
-                        f.exp_host = _host_u8(t.numel)
-                        f.sm_host = _host_u8(t.numel)
+                        f.pinned = (torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin),
+                                    torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin))
+                        f.exp_host = f.pinned[0].numpy()
+                        f.sm_host = f.pinned[1].numpy()
                     else:
-                        f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=True)
+                        f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin)
             fetches[e] = fl
             remaining[e] = sum(1 for f in fl if f is not None)
             for f in fl:
@@ -373,9 +383,12 @@ class LayerScheduler:
             if self.device_merge:
                 from zipmoe import kernels
 
-                exp_d = torch.from_numpy(f.exp_host).to(self.device, non_blocking=True)
-                sm_d = torch.from_numpy(f.sm_host).to(self.device, non_blocking=True)
+                # copy from the pinned torch tensors themselves (not numpy views) so that the
+                # host allocator keeps them alive until the asynchronous copies are done
+                exp_d = f.pinned[0].to(self.device, non_blocking=True)
+                sm_d = f.pinned[1].to(self.device, non_blocking=True)
                 kernels.merge(exp_d, sm_d, f.out.view(-1))
+                f.pinned = f.exp_host = f.sm_host = None
                 self.rt.counters.add_time("merge", time.perf_counter() - t0)
             else:
                 f.out.copy_(f.host, non_blocking=False)
@@ -409,6 +422,3 @@ def _own(parts: list) -> list:
             out.append(np.array(p, dtype=np.uint8, copy=True))
     return out
 
-
-def _host_u8(n: int) -> np.ndarray:
-    return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()

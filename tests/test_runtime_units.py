@@ -200,3 +200,22 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_runtime_consistent(tmp_path_facto
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     rt.close()
+
+
+@pytest.mark.parametrize("device_merge", [True, False])
+def test_device_paths_forced_on_the_cpu(tmp_path_factory, device_merge):
+    """The CUDA staging code (E and SM bytes to the device and a kernels.merge there, or a
+    host merge and a copy), run on CPU tensors: same logits. The real thing runs with -m gpu."""
+    src, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    rt = model.zipmoe
+    rt.scheduler.cuda = True
+    rt.scheduler.device_merge = device_merge
+    ref = reference(src)
+    for seed in range(3):
+        batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=2, seed=seed)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    assert rt.counters.hits["none"] > 0 and rt._inflight == 0
+    rt.close()
