@@ -125,17 +125,17 @@ def _table(plan: dict, console) -> None:
 
 @app.command(name="plan")
 def plan(
-    path: Path = typer.Argument(..., help="The .zmoe container."),
-    budget: str = typer.Option(None, "--budget", "-b", help="Memory for weights: 24G, 24GiB, 512M, 1.5T or bytes."),
-    trace: list[Path] = typer.Option(None, "--trace", help="Activation trace (JSON lines) from `chat --trace-out` or `bench`; repeatable."),
-    calibrate: str = typer.Option(None, "--calibrate", help="Record a trace by running the model on PROMPTS (a file, one prompt per line, or `builtin`)."),
-    profile: Path = typer.Option(None, "--profile", help="Hardware profile JSON: used if it exists (must match this machine and file), else measured and written there."),
+    path: Path = typer.Argument(..., metavar="FILE.zmoe", help="The .zmoe container."),
+    budget: str = typer.Option(None, "--budget", "-b", metavar="SIZE", help="Memory for weights: 24G, 24GiB, 512M, 1.5T or bytes."),
+    trace: list[Path] = typer.Option(None, "--trace", metavar="FILE", help="Activation trace (JSON lines) from `chat --trace-out` or `bench`; repeatable."),
+    calibrate: str = typer.Option(None, "--calibrate", metavar="PROMPTS", help="Record a trace by running the model on PROMPTS (a file, one prompt per line, or `builtin`)."),
+    profile: Path = typer.Option(None, "--profile", metavar="FILE", help="Hardware profile JSON: used if it exists (must match this machine and file), else measured and written there."),
     profile_only: bool = typer.Option(False, "--profile-only", help="Only measure (or show) the hardware profile."),
     remeasure: bool = typer.Option(False, "--remeasure", help="Measure the profile again even if a matching one exists."),
-    out: Path = typer.Option(None, "-o", "--out", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
+    out: Path = typer.Option(None, "-o", "--out", metavar="PLAN.json", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (or profile) as JSON instead of tables."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where merges and experts compute."),
-    workers: int = typer.Option(0, "--workers", help="Decode workers the runtime will use (default: the runtime's default)."),
+    device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", help="auto, cpu or cuda: where merges and experts compute."),
+    workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
     from rich.console import Console
@@ -175,6 +175,8 @@ def plan(
             if not as_json:
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
             traces.append(_calibrate(path, prompts, budget_bytes, dev, workers))
+            if not as_json:
+                err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
             stats = from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
                                 layers=layout.sparse_layers)
