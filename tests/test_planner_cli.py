@@ -179,3 +179,17 @@ def test_profile_only_shows_the_profile(container, tmp_path, capsys):
     assert code == 0 and json.loads(stdout)["costs"]["disk_bw"] == 1.0e9
     code, stdout, _ = _run(["plan", path, "--profile-only", "--profile", prof], capsys)
     assert code == 0 and "O_DIRECT" in stdout and "decompress" in stdout
+
+
+def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys):
+    pytest.importorskip("zipmoe.runtime.loader")
+    path, cid = container
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n")
+    out = tmp_path / "plan.json"
+    code, _, err = _run(["plan", path, "--budget", "1M", "--calibrate", prompts, "--calibrate-tokens", "4",
+                         "--profile", _profile(path, cid, tmp_path), "--workers", "1", "-o", out], capsys)
+    assert code == 0, err
+    plan = json.loads(out.read_text())
+    assert plan["trace"]["source"] == "trace" and plan["trace"]["steps"] == 4  # prefill + 3 decode steps
+    os.unlink(plan["trace"]["files"][0])

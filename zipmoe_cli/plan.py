@@ -135,6 +135,7 @@ def plan(
     out: Path = typer.Option(None, "-o", "--out", metavar="PLAN.json", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (or profile) as JSON instead of tables."),
     device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", help="auto, cpu or cuda: where merges and experts compute."),
+    calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
@@ -174,7 +175,9 @@ def plan(
             prompts = _read_prompts(calibrate)
             if not as_json:
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
-            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers))
+            if calibrate_tokens < 1:
+                raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
+            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers, calibrate_tokens))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
