@@ -212,6 +212,20 @@ def test_presets_and_table():
     assert abs(rows[("qwen2_moe", "qwen1.5-moe-a2.7b")]["params"] / 1e9 - 14.3) < 0.1
 
 
+def test_real_size_plan_names_and_shards():
+    """The plan of a real preset (nothing written): family names, shapes, <= 2 GB shards."""
+    from zipmoe.runtime.synth.family import tensor_plan
+    from zipmoe.runtime.synth.shards import plan_shards
+
+    fam = synth.FAMILIES["mixtral"]
+    plan = {t.name: t for t in tensor_plan(fam, fam.config("mixtral-8x7b"))}
+    assert plan["model.layers.31.block_sparse_moe.experts.7.w2.weight"].shape == (4096, 14336)
+    assert plan["model.layers.31.block_sparse_moe.gate.weight"].shape == (8, 4096)
+    assert abs(sum(t.nbytes for t in plan.values()) / 2 - 46.70e9) < 0.01e9
+    shards = plan_shards([(t.name, "BF16", t.shape, t.nbytes) for t in plan.values()])
+    assert len(shards) > 40 and all(sh.nbytes <= 2_000_000_000 for sh in shards)
+
+
 def test_cli_list_and_errors(tmp_path, capsys):
     from zipmoe_cli.app import main
 
