@@ -47,8 +47,10 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     from .counters import delta
 
+    from .profile import load_kwargs
+
     model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan,
-                             workers=workers or plan.get("workers"))
+                             workers=workers or plan.get("workers"), **load_kwargs(plan.get("dtype", "bfloat16")))
     rt = model.zipmoe
     units = max(1, len(next(iter(rt.expert_tensors.values()))))
 

@@ -17,9 +17,9 @@ models, the decoder's for SwitchTransformers (its layer numbers follow the encod
 codecs.naming.switch_layer). The planner plans slots for those layers: the runtime's cache
 counts uses per layer call, so the encoder's experts (used once per prompt) do not stay cached.
 
-``dense_bytes`` is the decoded size of the container's dense entries (the runtime counts its
-resident parameters, which can differ by tied weights or fp32 routers; when a plan's pools do
-not fit, the runtime scales them down keeping their shape).
+``dense_bytes`` is the size of the container's dense entries in the compute dtype (the runtime
+counts its resident parameters, which can differ by tied weights or modules kept in float32;
+when a plan's pools do not fit, the runtime scales them down keeping their shape).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ class ContainerLayout:
     expert_full_bytes: int  # one expert, all units, bf16
     expert_working: int  # runtime.core: max per expert of bf16 + staging bytes
     max_segment: int  # largest segment numel (decode scratch)
-    total_expert_full: int  # all experts, bf16
+    total_expert_full: int  # all experts, as computed with (compute dtype)
     decode_layers: list[int] | None = None  # sparse layers a decode step runs (seq2seq: the decoder's)
+    compute_itemsize: int = 2  # bytes per value the experts compute with (bf16 2, float32 4)
+    dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.decode_layers is None:
@@ -60,8 +62,8 @@ class ContainerLayout:
 
     @property
     def slot_bytes(self) -> dict[str, int]:
-        """Bytes one expert slot costs in each pool."""
-        full = sum(u[2] for u in self.units)
+        """Bytes one expert slot costs in each pool (full: as computed with, e.g. float32)."""
+        full = sum(u[2] for u in self.units) * self.compute_itemsize // 2
         e = sum(u[3] for u in self.units)
         sm = sum(u[4] for u in self.units)
         return {"full": full, "compressed": e + sm, "sm_only": sm, "e_only": e}
@@ -86,8 +88,30 @@ class ContainerLayout:
         return max(0, left - window * self.expert_working)
 
 
-def container_layout(reader) -> ContainerLayout:
-    """Read sizes from an open ContainerReader (no tensor data is read)."""
+DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+
+
+def resolve_dtype(dtype: str, config: dict) -> tuple[str, int]:
+    """``(name, itemsize)`` of the dtype the model computes in, as runtime.loader.resolve_dtype."""
+    from zipmoe.errors import UsageError
+
+    d = str(dtype or "auto").lower().replace("torch.", "")
+    if d == "auto":
+        d = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").lower().replace("torch.", "")
+        if d not in DTYPES:
+            d = "bfloat16"
+    if d not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r} (use auto, bfloat16 or float32)")
+    return d, DTYPES[d]
+
+
+def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> ContainerLayout:
+    """Read sizes from an open ContainerReader (no tensor data is read).
+
+    ``dtype``: what the runtime computes in (``zipmoe.load(dtype=...)``): float32 experts cost
+    4 bytes per value in the full pool and in flight. ``device``: on CUDA each tensor in flight
+    also has a pinned host staging buffer of its bf16 bytes (runtime.core).
+    """
     from .families import family_for
     from .store import build_expert_tensors
 
@@ -126,7 +150,11 @@ def container_layout(reader) -> ContainerLayout:
         ts = [ts[j] for ts in experts.values()]
         units.append((name, ts[0].shape, round(sum(t.full_bytes for t in ts) / n),
                       round(sum(t.e_bytes for t in ts) / n), round(sum(t.sm_bytes for t in ts) / n)))
-    working = max(sum(t.full_bytes + t.staging_bytes() for t in ts) for ts in experts.values())
+    dtype_name, itemsize = resolve_dtype(dtype, reader.config or {})
+    cuda = str(device).startswith("cuda")
+    # runtime.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
+    working = max(sum(t.full_bytes + t.staging_bytes() + (itemsize * t.numel if itemsize != 2 else 0)
+                      + (t.full_bytes if cuda else 0) for t in ts) for ts in experts.values())
     max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
     decode_layers = sparse_layers
     if family.auto == "seq2seq":  # encoder layers run once per prompt, not per output token
@@ -135,13 +163,14 @@ def container_layout(reader) -> ContainerLayout:
         if isinstance(n_enc, int):
             decode_layers = [l for l in sparse_layers if l >= n_enc] or sparse_layers
     dense = [e for e in reader.entries if e.role == "dense"]
-    dense_bytes = sum(e.nbytes for e in dense)
+    floating = ("BF16", "F16", "F32", "F64")
+    dense_bytes = sum(e.numel * itemsize if e.dtype in floating else e.nbytes for e in dense)
     dense_mm = sum(e.nbytes for e in dense if len(e.shape) == 2 and "embed" not in e.name and not e.name.endswith("shared.weight"))
     return ContainerLayout(
         path=str(reader.path), container_id=reader.container_id, file_size=reader.file_size,
         num_layers=int(meta_model.get("num_layers") or (max(sparse_layers) + 1)), num_experts=num_experts,
         top_k=top_k, sparse_layers=sparse_layers, dense_bytes=dense_bytes, dense_matmul_bytes=dense_mm,
         units=units, expert_full_bytes=sum(u[2] for u in units), expert_working=working, max_segment=max_seg,
-        total_expert_full=sum(t.full_bytes for ts in experts.values() for t in ts),
-        decode_layers=list(decode_layers),
+        total_expert_full=sum(itemsize * t.numel for ts in experts.values() for t in ts),
+        decode_layers=list(decode_layers), compute_itemsize=itemsize, dtype=dtype_name,
     )

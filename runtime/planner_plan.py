@@ -123,6 +123,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "pool_bytes_available": int(pool_bytes),
         "unused_bytes": int(pool_bytes - used),
         "device": device,
+        "dtype": layout.dtype,
         "workers": int(workers),
         "window": int(window),
         "pools": chosen["pools"],

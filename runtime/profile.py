@@ -104,8 +104,9 @@ def cache_dir() -> Path:
     return Path(base) / "zipmoe"
 
 
-def default_profile_path(container_id: str, device: str = "cpu") -> Path:
-    return cache_dir() / "profiles" / f"{machine_key(machine_info(device))}-{container_id}.json"
+def default_profile_path(container_id: str, device: str = "cpu", dtype: str = "bfloat16") -> Path:
+    suffix = "" if dtype in ("bfloat16", "bf16") else f"-{dtype}"
+    return cache_dir() / "profiles" / f"{machine_key(machine_info(device))}-{container_id}{suffix}.json"
 
 
 # ---------------------------------------------------------------------------------- disk
@@ -264,8 +265,8 @@ def measure_merge(numel: int, device: str = "cpu", seconds: float = 0.3) -> dict
 
 
 def measure_compute(shapes: list[tuple[int, int]], device: str = "cpu", threads: int | None = None,
-                    seconds: float = 0.3) -> dict:
-    """One expert's forward for one token: F.linear of each [out, in] tensor in bf16, + SiLU."""
+                    seconds: float = 0.3, dtype: str = "bfloat16") -> dict:
+    """One expert's forward for one token: F.linear of each [out, in] tensor in ``dtype``, + SiLU."""
     import torch
     import torch.nn.functional as F
 
@@ -275,8 +276,9 @@ def measure_compute(shapes: list[tuple[int, int]], device: str = "cpu", threads:
     try:
         dev = torch.device(device)
         g = torch.Generator(device="cpu").manual_seed(0)
-        ws = [(torch.randn(o, i, generator=g) * 0.02).to(dtype=torch.bfloat16, device=dev) for o, i in shapes]
-        xs = [torch.randn(1, i, generator=g).to(dtype=torch.bfloat16, device=dev) for _, i in shapes]
+        tdt = torch.float32 if dtype in ("float32", "fp32") else torch.bfloat16
+        ws = [(torch.randn(o, i, generator=g) * 0.02).to(dtype=tdt, device=dev) for o, i in shapes]
+        xs = [torch.randn(1, i, generator=g).to(dtype=tdt, device=dev) for _, i in shapes]
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
         def one():
@@ -294,7 +296,7 @@ def measure_compute(shapes: list[tuple[int, int]], device: str = "cpu", threads:
                 one()
                 sync()
                 times.append(time.perf_counter() - t0)
-        nbytes = sum(2 * o * i for o, i in shapes)
+        nbytes = sum(ws[0].element_size() * o * i for o, i in shapes)
         med = float(np.median(times))
         return {"s_per_expert": med, "torch_threads": torch.get_num_threads(), "shapes": [list(s) for s in shapes],
                 "bytes_per_s": nbytes / med if med > 0 else 0.0, "runs": len(times)}
@@ -310,6 +312,11 @@ def _mem_available() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 4 << 30
+
+
+def load_kwargs(dtype: str) -> dict:
+    """``zipmoe.load`` keywords for the compute dtype (omitted for the default, bfloat16)."""
+    return {} if dtype in ("bfloat16", "bf16") else {"dtype": dtype}
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8) -> dict:
@@ -331,7 +338,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
     budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
     old = torch.get_num_threads()
-    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers))
+    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers),
+                             **load_kwargs(layout.dtype))
     try:
         rt = model.zipmoe
         prompt = torch.arange(1, 9, dtype=torch.long).unsqueeze(0)
@@ -383,7 +391,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
 
 # ---------------------------------------------------------------------------------- profile
-def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False) -> dict:
+def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False, dtype: str = "bfloat16") -> dict:
     """Measure everything for ``path`` on ``device``; returns the profile dict (not saved)."""
     from zipmoe.codecs.reader import ContainerReader
 
@@ -393,7 +401,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     workers = default_workers() if workers is None else int(workers)
     scale = 0.3 if quick else 1.0
     with ContainerReader(path) as reader:
-        layout = container_layout(reader)
+        layout = container_layout(reader, dtype, device)
         experts = [e for e in reader.entries if e.role == "expert" and e.dtype == "BF16"]
         rng = random.Random(1)
         sample = rng.sample(experts, min(len(experts), 24))
@@ -405,13 +413,14 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         biggest = max(u[2] // 2 for u in layout.units)
         merge = measure_merge(biggest, device, seconds=0.3 * scale)
         compute = measure_compute([u[1] for u in layout.units], device, threads=default_threads(workers),
-                                  seconds=0.3 * scale)
+                                  seconds=0.3 * scale, dtype=layout.dtype)
         prof = {
             "format": PROFILE_FORMAT,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(device),
             "container": container_info(path, reader.container_id),
             "workers": workers,
+            "dtype": layout.dtype,
             "disk": disk,
             "decomp": decomp,
             "merge": merge,
@@ -478,8 +487,8 @@ def load_profile(path) -> dict:
     return prof
 
 
-def check_profile(profile: dict, container_path, container_id: str, device: str) -> str | None:
-    """None when ``profile`` fits this machine and file, else why it is stale (one phrase)."""
+def check_profile(profile: dict, container_path, container_id: str, device: str, dtype: str = "bfloat16") -> str | None:
+    """None when ``profile`` fits this machine, file and dtype, else why it is stale (one phrase)."""
     m, mine = profile.get("machine", {}), machine_info(device)
     for k in ("hostname", "cpu_model", "cores", "device", "device_name"):
         if m.get(k) != mine.get(k):
@@ -490,11 +499,14 @@ def check_profile(profile: dict, container_path, container_id: str, device: str)
     st = os.stat(container_path)
     if c.get("size") != st.st_size or c.get("mtime_ns") != st.st_mtime_ns:
         return "the container file changed since it was measured"
+    if profile.get("dtype", "bfloat16") != dtype:
+        return f"it was measured computing in {profile.get('dtype', 'bfloat16')}, not {dtype}"
     return None
 
 
 def get_profile(container_path, container_id: str, device: str = "cpu", profile_path=None,
-                workers: int | None = None, remeasure: bool = False, quick: bool = False) -> tuple[dict, str]:
+                workers: int | None = None, remeasure: bool = False, quick: bool = False,
+                dtype: str = "bfloat16") -> tuple[dict, str]:
     """The profile to plan with, and where it came from (``"measured"``, ``"cached"``, ``"file"``).
 
     ``profile_path`` given and existing: loaded and checked (stale -> UsageError). Given and
@@ -504,22 +516,22 @@ def get_profile(container_path, container_id: str, device: str = "cpu", profile_
         p = Path(profile_path)
         if p.exists() and not remeasure:
             prof = load_profile(p)
-            why = check_profile(prof, container_path, container_id, device)
+            why = check_profile(prof, container_path, container_id, device, dtype)
             if why:
                 raise UsageError(f"profile {p} is stale: {why}; measure again with `zipmoe plan FILE --profile-only --profile {p}` after deleting it")
             return prof, "file"
-        prof = measure(container_path, device, workers, quick=quick)
+        prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
         save_profile(prof, p)
         return prof, "measured"
-    p = default_profile_path(container_id, device)
+    p = default_profile_path(container_id, device, dtype)
     if p.exists() and not remeasure:
         try:
             prof = load_profile(p)
         except UsageError:
             prof = None
-        if prof is not None and check_profile(prof, container_path, container_id, device) is None:
+        if prof is not None and check_profile(prof, container_path, container_id, device, dtype) is None:
             return prof, "cached"
-    prof = measure(container_path, device, workers, quick=quick)
+    prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
     try:
         save_profile(prof, p)
     except OSError:

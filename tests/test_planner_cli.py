@@ -193,3 +193,28 @@ def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsy
     plan = json.loads(out.read_text())
     assert plan["trace"]["source"] == "trace" and plan["trace"]["steps"] == 4  # prefill + 3 decode steps
     os.unlink(plan["trace"]["files"][0])
+
+
+def test_layout_budget_accounting_matches_the_runtime(container):
+    """planner_layout mirrors runtime.core's accounting: same minimum, working set and dense bytes."""
+    loader = pytest.importorskip("zipmoe.runtime.loader")
+    if not hasattr(loader, "requirements"):
+        pytest.skip("runtime.loader.requirements not available")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.planner_layout import container_layout
+
+    import inspect
+
+    path, _ = container
+    cases = [(1, "bfloat16"), (3, "bfloat16")]
+    if "dtype" in inspect.signature(loader.requirements).parameters:
+        cases.append((2, "float32"))
+    for workers, dtype in cases:
+        kw = {} if dtype == "bfloat16" else {"dtype": dtype}
+        req = loader.requirements(path, workers=workers, device="cpu", **kw)
+        with ContainerReader(path) as r:
+            lay = container_layout(r, dtype)
+        assert lay.dense_bytes == req["dense_bytes"]
+        assert lay.min_budget(workers) == req["min_budget"]
+        assert lay.scratch_bytes(workers) + (workers + 2) * lay.expert_working == req["working_bytes"]
+        assert lay.total_expert_full == req["expert_bytes_full"]

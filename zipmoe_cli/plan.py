@@ -61,7 +61,8 @@ def _read_prompts(prompts_arg: str) -> list[str]:
     return prompts
 
 
-def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32) -> Path:
+def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
+               dtype: str = "bfloat16") -> Path:
     """Run the model on prompts through the runtime with a trace on; returns the trace path."""
     from zipmoe.errors import UsageError, ZipmoeError
 
@@ -71,7 +72,9 @@ def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers
         import zipmoe
     except ImportError as exc:  # pragma: no cover
         raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
-    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers)
+    from zipmoe.runtime.profile import load_kwargs
+
+    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, **load_kwargs(dtype))
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
     fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
@@ -135,6 +138,7 @@ def plan(
     out: Path = typer.Option(None, "-o", "--out", metavar="PLAN.json", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (or profile) as JSON instead of tables."),
     device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", help="auto, cpu or cuda: where merges and experts compute."),
+    dtype: str = typer.Option("bfloat16", "--dtype", metavar="bfloat16|float32|auto", help="What the model will compute in (as `zipmoe.load(dtype=...)`): float32 experts take twice the memory in the full pool."),
     calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
 ) -> None:
@@ -159,7 +163,7 @@ def plan(
         raise UsageError("--budget is required (e.g. --budget 24G), unless --profile-only")
     dev = _device(device)
     with ContainerReader(path) as reader:
-        layout = container_layout(reader)
+        layout = container_layout(reader, dtype, dev)
         cid = reader.container_id
     if budget_bytes is not None and budget_bytes < layout.min_budget(workers):
         make_plan(layout, budget_bytes, None, {}, workers=workers)  # raises BudgetError with the minimum
@@ -177,7 +181,7 @@ def plan(
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
             if calibrate_tokens < 1:
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
-            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers, calibrate_tokens))
+            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
@@ -188,7 +192,7 @@ def plan(
 
     if not as_json:
         err.print("[dim]hardware profile: measuring or reusing (a few seconds the first time)...[/dim]")
-    prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure)
+    prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure, dtype=layout.dtype)
     where = str(profile) if profile is not None else "cache"
     if profile_only:
         if as_json:
