@@ -51,8 +51,10 @@ DEFAULT_SPLIT = {"full": 0.6, "compressed": 0.4, "sm_only": 0.0, "e_only": 0.0}
 
 
 def working_bytes_of(t) -> int:
-    """Working bytes of one expert tensor in flight: its bf16 buffer and its read buffers."""
-    return t.full_bytes + t.staging_bytes()
+    """Working bytes of one expert tensor in flight: its bf16 merge buffer, its read buffers and,
+    when the model computes in another dtype (float32), the converted tensor."""
+    extra = t.compute_bytes if t.compute_itemsize != 2 else 0
+    return t.full_bytes + t.staging_bytes() + extra
 
 
 def read_plan(plan, container_id: str) -> dict:
@@ -92,7 +94,7 @@ def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda:
     """See :func:`zipmoe.runtime.loader.requirements`."""
     expert_working, scratch = _sizes(expert_tensors, workers, cuda)
     all_t = [t for ts in expert_tensors.values() for t in ts]
-    full = sum(t.full_bytes for t in all_t)
+    full = sum(t.compute_bytes for t in all_t)
     window = max(1, workers) + 2
     working = scratch + window * expert_working
 
@@ -112,7 +114,8 @@ class Runtime:
 
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
-                 budget: int, plan=None, workers: int = 1, direct_io: bool = True) -> None:
+                 budget: int, plan=None, workers: int = 1, direct_io: bool = True,
+                 compute_dtype=torch.bfloat16) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -126,13 +129,14 @@ class Runtime:
         self.dense_bytes = int(dense_bytes)
         self.budget = int(budget)
         self.workers = max(1, int(workers))
+        self.compute_dtype = compute_dtype
         self.counters = Counters()
         self._lock = threading.Lock()
         self._inflight = 0
         self._trace: TraceWriter | None = None
 
         all_t = [t for ts in expert_tensors.values() for t in ts]
-        self.expert_bytes_full = sum(t.full_bytes for t in all_t)
+        self.expert_bytes_full = sum(t.compute_bytes for t in all_t)  # all experts whole, as computed with
         self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
         # working set: one expert in flight = its bf16 buffers + read buffers; plus the
         # exp (and sm, if not raw) decode scratch of each worker
@@ -198,6 +202,7 @@ class Runtime:
             "split": self.split_source,
             "workers": self.workers,
             "device": str(self.device),
+            "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "direct_io": self.store.direct,
         }
 
@@ -234,7 +239,7 @@ class Runtime:
             for t in self.expert_tensors[key]:
                 if self.cache.state_of(t.uid) is not None:
                     continue
-                if self.cache.pools["full"].capacity - self.cache.pools["full"].used < t.full_bytes:
+                if self.cache.pools["full"].capacity - self.cache.pools["full"].used < t.compute_bytes:
                     return n
                 from zipmoe.codecs.exponent import DecodeContext
 
@@ -246,8 +251,8 @@ class Runtime:
                 host = torch.empty(t.shape, dtype=torch.bfloat16)
                 decode_into(t, e_parts, sm_parts, host.view(torch.int16).numpy().view(np.uint16).reshape(-1),
                             DecodeContext(), True, True)
-                out = host if self.device.type == "cpu" else host.to(self.device)
-                self.cache.put(t.uid, "full", t.full_bytes, out)
+                out = host.to(device=self.device, dtype=self.compute_dtype)
+                self.cache.put(t.uid, "full", t.compute_bytes, out)
                 n += 1
         self.counters.note_held(self.held_bytes())
         return n

@@ -40,8 +40,10 @@ def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     outputs: dict[int, tuple] = {}
     act_fn = self.act_fn
 
+    grad = torch.is_grad_enabled()
+
     def compute(expert_idx: int, weights) -> None:
-        gate_up, down = weights
+        gate_up, down = _as_reference(weights, grad)
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         current_state = hidden_states[token_idx]
         gate, up = nn.functional.linear(current_state, gate_up).chunk(2, dim=-1)
@@ -55,6 +57,21 @@ def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
         token_idx, current_hidden_states = outputs.pop(expert_idx)
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _as_reference(weights, grad: bool):
+    """The weights with the autograd flag the eager reference's weights would have.
+
+    In transformers the expert weight is a view of a Parameter: it requires grad exactly when
+    grad mode is on. aten's linear chooses its kernel path partly by that flag, so ours must
+    match (under ``torch.no_grad()``, as in ``generate``, it is off). With grad mode on, the
+    outputs keep the expert weights alive as long as the autograd graph lives: serve under
+    ``torch.no_grad()`` (or ``inference_mode``) to stay inside the budget.
+    """
+    for w in weights:
+        if w.requires_grad != grad and w.is_leaf:
+            w.requires_grad_(grad)
+    return weights
 
 
 def register() -> None:
@@ -97,8 +114,10 @@ class SwitchExperts(nn.Module):
         experts = expert_hit[:, 0].tolist()
         outputs: dict[int, tuple] = {}
 
+        grad = torch.is_grad_enabled()
+
         def compute(e: int, weights) -> None:
-            wi, wo = weights
+            wi, wo = _as_reference(weights, grad)
             idx, top_x = torch.where(expert_mask[e])
             current_state = hidden_states[None, top_x].reshape(-1, hidden_states.shape[-1])
             current_hidden_states = self._dense_act_dense(current_state, wi, wo) * routing_weights[top_x, idx, None]

@@ -163,7 +163,7 @@ def _experts_modules(model, family: Family, config: dict):
 
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
-         direct_io: bool = True, warm: bool = False, trace=None):
+         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16"):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -173,6 +173,11 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     ``torch.set_num_threads(threads)`` (the CLI always passes one; the library leaves the
     caller's setting alone otherwise). ``direct_io``: read experts with O_DIRECT where possible.
     ``warm``: fill the full pool before returning. ``trace``: start an activation trace file.
+    ``dtype``: the dtype the model computes in: ``"bfloat16"`` (default; the bit-identity
+    reference is ``from_pretrained(..., dtype=torch.bfloat16)``), ``"float32"``, or ``"auto"``
+    (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
+    container and the cache's compressed pools; float32 experts are converted (exactly) after
+    the merge, and the full pool holds them as float32.
     The tokenizer is None when the container has no tokenizer files.
     """
     from zipmoe.codecs.reader import ContainerReader
@@ -191,12 +196,12 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         raise ContainerError(f"{path}: no such file")
     reader = ContainerReader(path)
     try:
-        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace)
+        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype)
     finally:
         reader.close()
 
 
-def requirements(path, *, workers: int | None = None, device="cpu") -> dict:
+def requirements(path, *, workers: int | None = None, device="cpu", dtype="bfloat16") -> dict:
     """What serving ``path`` needs, without loading it: bytes of dense weights, of all experts
     (bf16 and stored), of the working set, the smallest budget, and a helper for budgets.
 
@@ -209,10 +214,25 @@ def requirements(path, *, workers: int | None = None, device="cpu") -> dict:
 
     workers = default_workers() if workers is None else int(workers)
     with ContainerReader(path) as reader:
-        return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dry=True)
+        return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dtype,
+                     dry=True)
 
 
-def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dry=False):
+def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    d = str(dtype or "auto").lower().replace("torch.", "")
+    if d == "auto":
+        d = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").lower().replace("torch.", "")
+        return names.get(d, torch.bfloat16)
+    if d not in names:
+        raise UsageError(f"unknown dtype {dtype!r} (use auto, bfloat16 or float32)")
+    return names[d]
+
+
+def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -244,13 +264,16 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
                 gen_config = None
 
     auto = AutoModelForSeq2SeqLM if family.auto == "seq2seq" else AutoModelForCausalLM
-    kwargs = {"dtype": torch.bfloat16}
+    compute_dtype = resolve_dtype(dtype, cfg_dict)
+    kwargs = {"dtype": compute_dtype}
     if family.kind == "fused":
         kwargs["experts_implementation"] = IMPLEMENTATION
     with params_on_meta():
         model = auto.from_config(config, **kwargs)
+    # parameters keep requires_grad=True, as from_pretrained leaves them: aten's linear picks
+    # its kernel path (folding a 3-D input into one GEMM or not) partly by requires_grad, so
+    # a frozen copy can differ from the reference in the last bit (seen on fp32 lm_head)
     model.eval()
-    model.requires_grad_(False)
     if gen_config is not None:
         model.generation_config = gen_config
 
@@ -288,7 +311,12 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         else:
             e0 = mod["expert_0"]
             expected[layer] = {"up": tuple(e0.wi.weight.shape), "down": tuple(e0.wo.weight.shape)}
-    expert_tensors = build_expert_tensors(reader.entries, family, expected)
+    if family.kind == "fused":
+        expert_dtype = experts[0][1].gate_up_proj.dtype
+    else:
+        expert_dtype = experts[0][1]["expert_0"].wi.weight.dtype
+    itemsize = torch.empty((), dtype=expert_dtype).element_size()
+    expert_tensors = build_expert_tensors(reader.entries, family, expected, compute_itemsize=itemsize)
     num_experts = experts[0][1].num_experts if hasattr(experts[0][1], "num_experts") else len(experts[0][1])
     for name, mod, layer in experts:
         for e in range(num_experts):
@@ -304,7 +332,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
-        budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io,
+        budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
     )
     try:
         state = {}
@@ -335,6 +363,9 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
                 parent = model.get_submodule(parent_name)
                 e0 = mod["expert_0"]
                 setattr(parent, child, SwitchExperts(rt, layer, len(mod), e0.wi.weight.shape[1], e0.act, e0.dropout.p))
+        for n, p in model.named_parameters():
+            if p.device.type != "meta" and p.is_floating_point():
+                p.requires_grad_(True)
         missing = [
             n for n, p in model.named_parameters(remove_duplicate=False)
             if p.device.type == "meta" and not (family.kind == "fused" and n.startswith(expert_prefixes))

@@ -118,7 +118,7 @@ class PriorityWorkers:
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned")
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
@@ -130,6 +130,7 @@ class _Fetch:
         self.exp_host = None
         self.sm_host = None
         self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
+        self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
 
 
 class LayerScheduler:
@@ -320,7 +321,7 @@ class LayerScheduler:
         def weights_of(e):
             ws = []
             for t, f in zip(tensors[e], fetches.get(e, [None] * len(tensors[e]))):
-                ws.append(cache.get(t.uid) if f is None else f.out)
+                ws.append(cache.get(t.uid) if f is None else f.w)
             return ws
 
         W = rt.window
@@ -348,6 +349,7 @@ class LayerScheduler:
                 if not errors:
                     if self.cuda:
                         self._to_device(fetches[e])
+                    self._finish(fetches[e])
                     t0 = time.perf_counter()
                     compute(e, weights_of(e))
                     counters.add_time("compute", time.perf_counter() - t0)
@@ -394,13 +396,23 @@ class LayerScheduler:
                 f.out.copy_(f.host, non_blocking=False)
                 f.host = None
 
+    def _finish(self, fl) -> None:
+        """The weights the expert computes with: the merged bf16 tensor, or its conversion
+        (exact) when the model computes in float32."""
+        dtype = self.rt.compute_dtype
+        for f in fl:
+            if f is not None:
+                f.w = f.out if f.out.dtype == dtype else f.out.to(dtype)
+                if f.w is not f.out:
+                    f.out = None
+
     def _admit(self, fl) -> None:
         cache = self.rt.cache
         for f in fl:
             if f is None:
                 continue
             t = f.tensor
-            forms = {"full": (t.full_bytes, f.out)}
+            forms = {"full": (t.compute_bytes, f.w)}
             if f.e_parts is not None and f.sm_parts is not None:
                 e_parts, sm_parts = f.e_parts, f.sm_parts
                 forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
@@ -409,7 +421,7 @@ class LayerScheduler:
             if f.e_parts is not None:
                 forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
             cache.offer(t.uid, forms)
-            f.out = None
+            f.out = f.w = None
 
 
 def _own(parts: list) -> list:

@@ -76,6 +76,7 @@ class ExpertTensor:
     name: str  # "gate_up", "down" or "up"
     shape: tuple[int, int]
     segments: list[Segment] = field(default_factory=list)
+    compute_itemsize: int = 2  # bytes per value of the tensor the expert computes with (bf16: 2, fp32: 4)
 
     @property
     def numel(self) -> int:
@@ -84,6 +85,11 @@ class ExpertTensor:
     @property
     def full_bytes(self) -> int:
         return 2 * self.numel
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of the whole tensor as the expert computes with it (what the full pool holds)."""
+        return self.compute_itemsize * self.numel
 
     @property
     def e_bytes(self) -> int:
@@ -127,7 +133,7 @@ def _span(chunks) -> tuple[int, int]:
     return (start, end - start)
 
 
-def build_expert_tensors(entries, family, expected_shapes) -> dict[tuple[int, int], list[ExpertTensor]]:
+def build_expert_tensors(entries, family, expected_shapes, compute_itemsize: int = 2) -> dict[tuple[int, int], list[ExpertTensor]]:
     """Group the container's expert entries into the family's compute tensors.
 
     ``expected_shapes[layer] = {unit name: (rows, cols)}`` from the model skeleton; a container
@@ -167,7 +173,7 @@ def build_expert_tensors(entries, family, expected_shapes) -> dict[tuple[int, in
             want = expected_shapes[layer][unit_name]
             if not parts:
                 raise ModelError(f"layer {layer} expert {expert}: no {unit_name} weights in the container")
-            t = ExpertTensor(uid, layer, expert, unit_name, tuple(want))
+            t = ExpertTensor(uid, layer, expert, unit_name, tuple(want), compute_itemsize=compute_itemsize)
             uid += 1
             dst = 0
             rows = 0

@@ -30,6 +30,7 @@ class _FakeRuntime:
         self.cache = ExpertCache({"full": 1 << 40, "compressed": 1 << 40, "sm_only": 1 << 40, "e_only": 1 << 40})
         self.counters = Counters()
         self.window = 1 << 30
+        self.compute_dtype = torch.bfloat16
         self._held = 0
         self.workers = workers
 

@@ -51,6 +51,7 @@ def _describe(model, threads: int) -> str:
             f"budget {format_size(d['budget'])}{where}: dense {format_size(d['dense_bytes'])}, "
             f"working {format_size(d['working_bytes'])}, pools [{pools or 'none'}] ({d['split']} split); "
             f"experts {format_size(d['expert_bytes_full'])} bf16 / {format_size(d['expert_bytes_stored'])} stored; "
+            f"computing in {d['compute_dtype']}; "
             f"{d['workers']} decode workers, {threads} torch threads, {'O_DIRECT' if d['direct_io'] else 'buffered'} reads")
 
 
@@ -90,6 +91,7 @@ def chat(
     workers: int = typer.Option(0, "--workers", help="Decompression threads (default: half the cores)."),
     threads: int = typer.Option(0, "--threads", help="Torch threads (default: the cores the workers leave)."),
     warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (config.json's), bfloat16 or float32."),
 ) -> None:
     """Chat with a model served from its container, bit-identical to the original."""
     from rich.console import Console
@@ -119,7 +121,7 @@ def chat(
     if not quiet:
         err.print(f"[dim]loading {file} …[/dim]")
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                            warm=warm, trace=trace_out)
+                            warm=warm, trace=trace_out, dtype=dtype)
     rt = model.zipmoe
     if tokenizer is None:
         rt.close()
