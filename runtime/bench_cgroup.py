@@ -230,11 +230,17 @@ class MemoryCgroup:
                 return int(v)
         return 0
 
+    def current_limit(self) -> int:
+        """The limit now (the engine's process may have tightened it, see :func:`set_own_limit`)."""
+        text = _read(self.path / ("memory.max" if self.version == 2 else "memory.limit_in_bytes"))
+        return int(text) if text and text.isdigit() else self.limit
+
     def stats(self) -> dict:
         return {
             "cgroup": str(self.path),
             "cgroup_version": self.version,
-            "limit_bytes": self.limit,
+            "limit_bytes": self.current_limit(),
+            "initial_limit_bytes": self.limit,
             "peak_bytes": self.peak(),
             "page_cache_bytes": self.page_cache(),
             "oom_kills": self.oom_kills(),
@@ -271,6 +277,24 @@ def join_from_env() -> str | None:
         return None
     Path(path, "cgroup.procs").write_text(str(os.getpid()))
     return path
+
+
+def set_own_limit(path: str, limit_bytes: int) -> bool:
+    """Change the limit of the cgroup at ``path`` (the engine's own, from :func:`join_from_env`)."""
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        f = Path(path, name)
+        if f.exists():
+            try:
+                f.write_text(str(int(limit_bytes)))
+            except OSError:
+                return False
+            for peak in ("memory.max_usage_in_bytes", "memory.peak"):  # restart the peak under the new limit
+                try:
+                    Path(path, peak).write_text("0")
+                except OSError:
+                    pass
+            return True
+    return False
 
 
 def _meminfo_cached() -> int:

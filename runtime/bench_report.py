@@ -100,7 +100,7 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         engine, budget, batch, new_tokens = key
         row = {"engine": engine, "budget": budget, "batch": batch, "new_tokens": new_tokens, "runs": len(rs),
                "generated": min(r.get("generated") or 0 for r in rs),
-               "stopped_by_time_limit": any(r.get("stopped_by_time_limit") for r in rs),
+               "stopped_by_time_limit": any(r.get("stopped_by_time_limit") and (r.get("generated") or 0) < r["new_tokens"] for r in rs),
                "cold_mode": sorted({str(r.get("cold_mode")) for r in rs})}
         for m in METRICS:
             row[m] = stats(r.get(m) for r in rs)

@@ -272,10 +272,15 @@ def prepare_raw_container(cfg: BenchConfig, work: Path, source: Path, log) -> Pa
 
 
 def default_slack(device: str) -> int:
-    """Memory the engine's process needs beyond the weights' budget: the interpreter, torch,
-    transformers, activations, KV cache (about 0.5 GiB measured on the CPU with a tiny model);
-    the CUDA context adds host memory on a GPU machine."""
-    return (3 << 30) if device == "cuda" else (3 << 29)
+    """The margin on top of the budget and of the process's own baseline: activations, KV cache,
+    transformers' transient buffers. The baseline (interpreter, torch, transformers, the CUDA
+    context: about 0.5 GiB on the CPU) is measured by each worker once it has imported them; the
+    cgroup starts at budget + baseline allowance + margin and is then tightened to
+    budget + measured baseline + margin."""
+    return (1 << 30) if device == "cuda" else (1 << 28)
+
+
+START_ALLOWANCE = 4 << 30  # room for the imports before the worker measures its baseline
 
 
 # ----------------------------------------------------------------------------- workers
@@ -333,8 +338,10 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
             doc["cgroup_stats"] = cg.stats()
             if doc["cgroup_stats"].get("oom_kills") or (rc in (-9, 137) and not doc.get("ok")):
                 doc["error_type"] = "OOMKilled"
+                lim = doc["cgroup_stats"].get("limit_bytes") or limit
                 doc["error"] = (f"engine {spec['engine']} cannot run in budget {format_size(spec['budget'])}: killed by the memory cgroup "
-                                f"at {format_size(limit)} (budget + slack; raise --cgroup-slack if the slack is too small)")
+                                f"at {format_size(lim)} (budget + the process's own {format_size(doc.get('process_base_rss_bytes') or 0)} "
+                                f"+ margin {format_size(spec.get('cgroup_margin') or 0)}; raise --cgroup-slack if the margin is too small)")
                 doc["user_error"] = True
         return doc
     finally:
@@ -536,7 +543,8 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
             }
-            limit = budget + slack if (support.usable and budget is not None) else None
+            limit = budget + START_ALLOWANCE + slack if (support.usable and budget is not None) else None
+            spec["cgroup_margin"] = slack
             res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
                              (lambda: prog.advance()) if prog else (lambda: None))
             res["cgroup_limit_bytes"] = limit

@@ -33,6 +33,7 @@ import time
 import traceback
 
 from .bench_cgroup import join_from_env
+from .bench_cgroup import set_own_limit as bench_cgroup_set
 
 
 def read_io() -> dict:
@@ -287,7 +288,7 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         "batch": batch,
         "new_tokens": n,
         "generated": ntok,
-        "stopped_by_time_limit": bool(limit.hit),
+        "stopped_by_time_limit": bool(limit.hit) and ntok < n,
         "ttft_s": ttft,
         "tpot_s": tpot,
         "e2e_s": e2e,
@@ -342,6 +343,20 @@ def main() -> int:
             doc["gpu"] = torch.cuda.get_device_name(0)
             doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         from . import bench_cold, bench_engines
+
+        if spec.get("engine", "").startswith("zipmoe") or spec.get("engine") == "uncompressed":
+            from . import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
+        else:
+            import transformers  # noqa: F401
+        if device == "cuda":
+            torch.zeros(1, device="cuda")  # the CUDA context's host memory belongs to the baseline too
+        if cgroup and spec.get("budget") is not None and spec.get("cgroup_margin") is not None:
+            # the limit becomes budget + what this process needs before any weight + a margin,
+            # measured, so that the slack cannot hold a small model in page cache
+            base = rss_bytes()
+            limit = int(spec["budget"]) + base + int(spec["cgroup_margin"])
+            doc["process_base_rss_bytes"] = base
+            doc["cgroup_limit_bytes"] = limit if bench_cgroup_set(cgroup, limit) else None
 
         cold_paths = spec.get("cold_paths") or []
         # no cache drop before loading: it would also evict torch's own libraries and time

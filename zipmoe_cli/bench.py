@@ -56,7 +56,7 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     if bw.get("bytes_per_s"):
         notes.append(f"disk {format_size(bw['bytes_per_s'])}/s ({bw.get('source')}); floor = bytes read per token / disk bandwidth")
     notes.append(f"cache: {doc.get('cold_mode')}" + ("" if doc.get("cold_mode") != "o_direct" else " (page cache could not be dropped)"))
-    notes.append("memory cgroup: " + (f"v{cg.get('version')}, limit = budget + {format_size(cg.get('slack_bytes') or 0)}" if cg.get("usable") else f"none ({cg.get('reason')})"))
+    notes.append("memory cgroup: " + (f"v{cg.get('version')}, limit = budget + the process's own baseline (measured) + {format_size(cg.get('slack_bytes') or 0)}" if cg.get("usable") else f"none ({cg.get('reason')})"))
     tc = doc.get("token_check") or {}
     if tc:
         notes.append(tc.get("message", ""))
@@ -91,7 +91,7 @@ def bench(
     time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
     threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
-    cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Memory on top of the budget for the process itself (default 1.5G on CPU, 3G with CUDA)."),
+    cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
