@@ -46,6 +46,8 @@ RUNS="${RUNS:-2}"
 ACC_RUNS="${ACC_RUNS:-1}"
 ACC_TIME_LIMIT="${ACC_TIME_LIMIT:-60}"
 TIME_LIMIT="${TIME_LIMIT:-90}"
+QWEN_PRESET="${QWEN_PRESET:-qwen1.5-moe-a2.7b}"   # tiny: a dry run of this script on a CPU
+OLMOE_PRESET="${OLMOE_PRESET:-olmoe-1b-7b}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$WORK/.done" "$WORK/logs"
 
@@ -136,7 +138,7 @@ plan() {
     say "$tag: plan (profile measured once: disk, decompression, merge, compute)"
     "$ZIPMOE" plan "$WORK/$tag.zmoe" --profile-only --profile "$WORK/$tag-profile.json" --device "$DEVICE" 2>&1 | tee "$WORK/logs/$tag-profile.log"
     for b in $BUDGETS; do
-        "$ZIPMOE" plan "$WORK/$tag.zmoe" --budget "$b" --calibrate builtin --profile "$WORK/$tag-profile.json" \
+        "$ZIPMOE" plan "$WORK/$tag.zmoe" --budget "$b" --calibrate builtin --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
             --device "$DEVICE" -o "$WORK/$tag-plan-$b.json" 2>&1 | tee -a "$WORK/logs/$tag-plan.log"
     done
     done_mark "$tag-plan"
@@ -200,12 +202,13 @@ for stage in "$@"; do
     case "$stage" in
         check) check ;;
         status) status ;;
-        qwen-synth) synth qwen qwen2_moe qwen1.5-moe-a2.7b 27 ;;
+        qwen-synth) synth qwen qwen2_moe "$QWEN_PRESET" 27 ;;
         qwen-raw) raw qwen 27 ;;
         qwen-unc) bench_unc qwen ;;
         qwen-res) bench_res qwen ;;
         qwen-acc8) bench_acc qwen 8G ;;
         qwen-acc16) bench_acc qwen 16G ;;
+        qwen-acc) for b in $BUDGETS; do bench_acc qwen "$b"; done ;;
         qwen-rmraw) rmraw qwen ;;
         qwen-pack) pack_zstd qwen 27 ;;
         qwen-plan) plan qwen ;;
@@ -213,9 +216,9 @@ for stage in "$@"; do
         qwen-ablations) ablations qwen ;;
         qwen-clean) clean qwen ;;
         olmoe-all)
-            synth olmoe olmoe olmoe-1b-7b 13; raw olmoe 13; pack_zstd olmoe 13; plan olmoe
+            synth olmoe olmoe "$OLMOE_PRESET" 13; raw olmoe 13; pack_zstd olmoe 13; plan olmoe
             bench_unc olmoe; bench_zipmoe olmoe; for b in $BUDGETS; do bench_acc olmoe "$b"; done ;;
-        olmoe-synth) synth olmoe olmoe olmoe-1b-7b 13 ;;
+        olmoe-synth) synth olmoe olmoe "$OLMOE_PRESET" 13 ;;
         olmoe-raw) raw olmoe 13 ;;
         olmoe-pack) pack_zstd olmoe 13 ;;
         olmoe-plan) plan olmoe ;;
