@@ -47,10 +47,14 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     from .counters import delta
 
+    from .loader import default_threads
     from .profile import load_kwargs
 
-    model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan,
-                             workers=workers or plan.get("workers"), **load_kwargs(plan.get("dtype", "bfloat16")))
+    workers = workers or plan.get("workers") or 1
+    # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the
+    # cores with OpenMP threads that spin makes every step many times slower)
+    model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan, workers=workers,
+                             threads=default_threads(workers), **load_kwargs(plan.get("dtype", "bfloat16")))
     rt = model.zipmoe
     units = max(1, len(next(iter(rt.expert_tensors.values()))))
 

@@ -74,7 +74,10 @@ def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers
         raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
     from zipmoe.runtime.profile import load_kwargs
 
-    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, **load_kwargs(dtype))
+    from zipmoe.runtime.loader import default_threads
+
+    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers),
+                             **load_kwargs(dtype))
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
     fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
