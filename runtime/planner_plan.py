@@ -48,6 +48,7 @@ class Planner:
             rows.append(cache[key])
         self.table = MakespanTable(k, layout.tensors, self.workers, self.costs, window)
         self.layers = LayerSet(np.stack(rows), k, self.table)
+        self.layer_overhead = float(profile.get("costs", {}).get("layer_overhead_s") or 0.0)
         measured = profile.get("costs", {}).get("dense_s_per_token")
         if measured is not None:  # served through the runtime (runtime.profile.measure_runtime)
             self.dense_s, self.dense_source = float(measured), "measured"
@@ -63,7 +64,7 @@ class Planner:
         return float(self.layers.expected(slots).sum())
 
     def describe(self, slots: dict[str, int]) -> dict:
-        per_layer = self.layers.expected(slots)
+        per_layer = self.layers.expected(slots) + self.layer_overhead
         hits = self.layers.hits(slots).mean(axis=0)
         sb = self.layout.slot_bytes
         n = len(self.layout.decode_layers)
@@ -111,6 +112,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "costs": dict(profile["costs"]),
         "dense_s_per_token": planner.dense_s,
         "dense_source": planner.dense_source,
+        "layer_overhead_s": planner.layer_overhead,
     }
     return {
         "format": PLAN_FORMAT,

@@ -21,7 +21,9 @@ What is measured (each exactly what runtime.schedule_model.Costs counts):
 * **runtime** (not with ``quick``): a few greedy tokens served through ``zipmoe.load`` give the
   expert compute as the runtime's hook does it (which replaces the micro-benchmark's
   ``compute_s_per_expert``: on small experts the Python around the matmuls dominates) and
-  ``dense_s_per_token``, the time per token outside the sparse layers. Where the runtime cannot
+  ``dense_s_per_token``, the time per token outside the sparse layers, and (when every expert
+  fits in the budget used) ``layer_overhead_s``, a sparse layer's time beyond its experts'
+  computes (the runtime's bookkeeping around them). Where the runtime cannot
   load the model, ``runtime.error`` says why and the planner estimates the dense time from the
   GEMV throughput.
 * ``costs.merge_on_workers``: true where the runtime merges on its decode workers (CPU device,
@@ -372,8 +374,9 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         layer_calls = sum(v[1] for v in lm.values())
         tpot = float(np.median(steps)) if steps else 0.0
         sparse_per_step = sparse_total / max(1, len(steps))
-        return {
+        out = {
             "budget": budget,
+            "all_experts_resident": budget >= want,
             "tokens": len(steps),
             "tpot_s": tpot,
             "compute_s_per_expert": float(d["time_s"]["compute"]) / calls,
@@ -382,6 +385,12 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             "dense_s_per_token": max(0.0, tpot - sparse_per_step),
             "torch_threads": torch.get_num_threads(),
         }
+        if budget >= want and layer_calls:
+            # every expert whole: a layer's makespan is its computes plus the runtime's own work
+            # around them (routing bookkeeping, cache touches, the hook): the per-layer overhead
+            per_layer_experts = int(d["expert_calls"]) / layer_calls
+            out["layer_overhead_s"] = max(0.0, out["layer_makespan_s"] - per_layer_experts * out["compute_s_per_expert"])
+        return out
     finally:
         try:
             model.zipmoe.scheduler.close()
@@ -431,13 +440,14 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     on_workers = not device.startswith("cuda") or merge["kernel"] != "triton"
     prof["merge"]["where"] = "workers" if on_workers else "device"
     compute_s = compute["s_per_expert"]
-    dense_s = None
+    dense_s = layer_overhead = None
     if not quick:
         try:
             rt = measure_runtime(path, layout, device, workers)
             prof["runtime"] = rt
             compute_s = rt["compute_s_per_expert"]
             dense_s = rt["dense_s_per_token"]
+            layer_overhead = rt.get("layer_overhead_s")
         except Exception as exc:  # noqa: BLE001 - the runtime is optional for a profile
             prof["runtime"] = {"error": f"{type(exc).__name__}: {exc}"}
     prof["costs"] = {
@@ -450,6 +460,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     }
     if dense_s is not None:
         prof["costs"]["dense_s_per_token"] = dense_s
+    if layer_overhead is not None:
+        prof["costs"]["layer_overhead_s"] = layer_overhead
     return prof
 
 
