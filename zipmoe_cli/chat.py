@@ -49,8 +49,9 @@ def _describe(model, threads: int) -> str:
     where = " (full pool on the GPU, others in host memory)" if d["device"].startswith("cuda") else ""
     return (f"{rt.family.name}: {len(rt.sparse_layers)} sparse layers × {rt.num_experts} experts (top-{rt.top_k}); "
             f"budget {format_size(d['budget'])}{where}: dense {format_size(d['dense_bytes'])}, "
-            f"working {format_size(d['working_bytes'])}, pools [{pools or 'none'}] ({d['split']} split); "
-            f"experts {format_size(d['expert_bytes_full'])} bf16 / {format_size(d['expert_bytes_stored'])} stored; "
+            f"working {format_size(d['working_bytes'])}, pools: {pools or 'none'} ({d['split']} split); "
+            f"experts {format_size(d['expert_bytes_full'])} whole ({d['compute_dtype']}) / "
+            f"{format_size(d['expert_bytes_stored'])} stored; "
             f"computing in {d['compute_dtype']}; "
             f"{d['workers']} decode workers, {threads} torch threads, {'O_DIRECT' if d['direct_io'] else 'buffered'} reads")
 
@@ -119,7 +120,7 @@ def chat(
     quiet = as_json
 
     if not quiet:
-        err.print(f"[dim]loading {file} …[/dim]")
+        err.print(f"loading {file} …", style="dim", markup=False)
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
                             warm=warm, trace=trace_out, dtype=dtype)
     rt = model.zipmoe
@@ -127,7 +128,7 @@ def chat(
         rt.close()
         raise UsageError(f"{file} has no tokenizer files: chat needs one (use zipmoe.load and token ids)")
     if not quiet:
-        err.print(f"[dim]{_describe(model, threads)}[/dim]")
+        err.print(_describe(model, threads), style="dim", markup=False)
     base = [{"role": "system", "content": system}] if system else []
 
     def turn(messages, stream: bool):
@@ -147,7 +148,7 @@ def chat(
                                              "interrupted": res.interrupted}, indent=2) + "\n")
             else:
                 out.print()
-                err.print(f"[dim]{stats_line(res.stats)}[/dim]")
+                err.print(stats_line(res.stats), style="dim", markup=False)
             return
         err.print("[dim]/reset clears the conversation, /stats shows counters, /exit quits; "
                   "Ctrl-C stops an answer[/dim]")
@@ -168,7 +169,7 @@ def chat(
                 err.print("[dim]conversation cleared[/dim]")
                 continue
             if text == "/stats":
-                err.print(f"[dim]{_cumulative(model)}[/dim]")
+                err.print(_cumulative(model), style="dim", markup=False)
                 continue
             if text.startswith("/"):
                 err.print("[dim]commands: /reset, /stats, /exit[/dim]")
@@ -178,12 +179,12 @@ def chat(
                 res = turn(history, stream=True)
             except ZipmoeError as exc:  # e.g. a corrupted chunk: say it, drop the turn, go on
                 out.print()
-                err.print(f"[red]zipmoe: error: {str(exc).splitlines()[0]}[/red]")
+                err.print(f"zipmoe: error: {str(exc).splitlines()[0]}", style="red", markup=False)
                 history.pop()
                 continue
             out.print()
             history.append({"role": "assistant", "content": res.text})
             note = " (stopped)" if res.interrupted else ""
-            err.print(f"[dim]{stats_line(res.stats)}{note}[/dim]")
+            err.print(stats_line(res.stats) + note, style="dim", markup=False)
     finally:
         rt.close()
