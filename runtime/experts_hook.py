@@ -68,10 +68,14 @@ def _as_reference(weights, grad: bool):
     outputs keep the expert weights alive as long as the autograd graph lives: serve under
     ``torch.no_grad()`` (or ``inference_mode``) to stay inside the budget.
     """
+    out = []
     for w in weights:
+        if grad and w.is_inference():  # cached under torch.inference_mode(), used with grad on
+            w = w.clone()
         if w.requires_grad != grad and w.is_leaf:
             w.requires_grad_(grad)
-    return weights
+        out.append(w)
+    return out
 
 
 def register() -> None:

@@ -219,3 +219,19 @@ def test_device_paths_forced_on_the_cpu(tmp_path_factory, device_merge):
             assert torch.equal(model(**batch).logits, ref(**batch).logits)
     assert rt.counters.hits["none"] > 0 and rt._inflight == 0
     rt.close()
+
+
+def test_inference_mode_then_grad_mode(tmp_path_factory):
+    """Experts cached under torch.inference_mode() still serve a later forward with grad on."""
+    src, path = container(tmp_path_factory, "mixtral")
+    ref = reference(src)
+    model, _ = zipmoe.load(path, budget="64M", workers=1)
+    batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=2)
+    with torch.inference_mode():
+        a = model(**batch).logits.clone()
+    b = model(**batch).logits.detach()
+    want = ref(**batch).logits.detach()
+    assert torch.equal(b, want)
+    with torch.no_grad():
+        assert torch.equal(a, ref(**batch).logits)
+    model.zipmoe.close()
