@@ -32,7 +32,10 @@
 #
 # Generated tokens are few (16) and Accelerate runs stop after --time-limit once they have
 # 2 tokens: the comparison is per token. All results go to $WORK/qwen.json and $WORK/olmoe.json
-# (each stage merges into them), the logs to $WORK/logs/.
+# (each stage merges into them), the logs to $WORK/logs/; when $OUT is set (the device machine's
+# return folder) they are copied to $OUT/headline/ at the end of every call, even a failed one.
+# $WORK defaults to out/headline in the repository (git-ignored, so it survives between calls
+# while the machine is held; a fresh machine starts from nothing).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -196,6 +199,14 @@ status() {
     echo "done: $(ls "$WORK/.done" 2>/dev/null | tr '\n' ' ')"
     du -sh "$WORK"/* 2>/dev/null || true
 }
+
+copy_out() {  # on the lent device machine, $OUT is what comes back: results, plans, logs
+    if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+        mkdir -p "$OUT/headline"
+        cp -r "$WORK"/*.json "$WORK/logs" "$OUT/headline/" 2>/dev/null || true
+    fi
+}
+trap copy_out EXIT
 
 [ $# -gt 0 ] || { sed -n '2,35p' "$0"; exit 0; }
 for stage in "$@"; do
