@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,8 @@ class Runtime:
         self.cache = ExpertCache(caps)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
         self.scheduler = LayerScheduler(self, self.workers)
+        # threads and file descriptors go when the model is garbage collected, if close() was not called
+        self._finalizer = weakref.finalize(self, _shutdown, self.scheduler.io, self.scheduler.pool, self.store)
         self.counters.note_held(self.held_bytes())
 
     # ------------------------------------------------------------------ accounting
@@ -261,9 +264,15 @@ class Runtime:
         self.cache.clear()
 
     def close(self) -> None:
+        """Stop the trace, the I/O and decode threads, and close the file (idempotent)."""
         self.stop_trace()
-        self.scheduler.close()
-        self.store.close()
+        self._finalizer()
+
+
+def _shutdown(io, pool, store) -> None:
+    io.shutdown()
+    pool.shutdown()
+    store.close()
 
 
 def align_up(n: int) -> int:

@@ -109,6 +109,8 @@ class PriorityWorkers:
             fn(*args)
 
     def shutdown(self) -> None:
+        if not any(th.is_alive() for th in self._threads):
+            return
         for _ in self._threads:
             self._q.put((float("inf"), next(self._seq), None, ()))
         for th in self._threads:

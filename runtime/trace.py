@@ -54,6 +54,7 @@ class TraceWriter:
     def _flush_locked(self) -> None:
         if self._step:
             self._f.write(json.dumps({"layers": self._step}, separators=(",", ":")) + "\n")
+            self._f.flush()  # a trace cut short by a crash or Ctrl-C still holds every finished step
             self._step = {}
             self.steps += 1
 

@@ -84,6 +84,10 @@ def test_bit_identical_at_every_budget(tmp_path_factory, refs, family, device):
             _same_generation(ref, model, b4)
             c = rt.counters
             assert c.peak_held_bytes <= budget
+            if device == "cuda":  # the Triton merge on the device when triton is installed
+                from zipmoe.kernels import triton_available
+
+                assert rt.scheduler.device_merge == triton_available()
             if which == "min":
                 assert c.bytes_read > 0 and c.hits["none"] > 0
             if which == "resident":
@@ -150,8 +154,9 @@ def test_warm_fills_full_pool_and_reads_nothing_after(tmp_path_factory):
     rt.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["mixtral", "switch_transformers"])
-def test_float32_compute_matches_float32_reference(tmp_path_factory, family):
+def test_float32_compute_matches_float32_reference(tmp_path_factory, family, device):
     """dtype="float32" (what the demo's config asks for): experts merged in bf16, converted exactly."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -160,15 +165,16 @@ def test_float32_compute_matches_float32_reference(tmp_path_factory, family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if seq2seq:
-            ref = AutoModelForSeq2SeqLM.from_pretrained(src, dtype=torch.float32).eval()
+            ref = AutoModelForSeq2SeqLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
         else:
-            ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager").eval()
-    req = requirements(path, workers=1, dtype="float32")
-    batch = inputs(_vocab(src), seq2seq, batch=4)
+            ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, experts_implementation="eager")
+            ref = ref.to(device).eval()
+    req = requirements(path, workers=1, dtype="float32", device=device)
+    batch = inputs(_vocab(src), seq2seq, device, batch=4)
     with torch.no_grad():
         want = ref(**batch).logits
     for budget in (req["budget_for"](1.0), req["min_budget"]):
-        model, _ = zipmoe.load(path, budget=budget, workers=1, dtype="float32")
+        model, _ = zipmoe.load(path, budget=budget, workers=1, dtype="float32", device=device)
         rt = model.zipmoe
         with torch.no_grad():
             assert torch.equal(model(**batch).logits, want)
