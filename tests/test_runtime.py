@@ -199,3 +199,18 @@ def test_grad_mode_forward_matches_too(tmp_path_factory, dtype):
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, want)
     model.zipmoe.close()
+
+
+def test_deepseek_v3_from_transformers_config(tmp_path_factory):
+    """DeepSeek-V3 (served, not made by synth): a random tiny checkpoint from its config class."""
+    src, path = container(tmp_path_factory, "deepseek_v3")
+    ref = reference(src)
+    batch = inputs(_vocab(src), False, batch=4)
+    req = requirements(path, workers=1)
+    with torch.no_grad():
+        want = ref(**batch).logits
+    model, _ = zipmoe.load(path, budget=req["min_budget"], workers=1)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, want)
+    _same_generation(ref, model, batch, steps=3)
+    model.zipmoe.close()
