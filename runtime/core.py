@@ -43,7 +43,7 @@ from zipmoe.units import format_size
 from .cache import POOLS, ExpertCache
 from .counters import Counters
 from .scheduler import LayerScheduler
-from .store import ALIGN, ExpertStore
+from .store import ExpertStore
 from .trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
@@ -274,6 +274,3 @@ def _shutdown(io, pool, store) -> None:
     pool.shutdown()
     store.close()
 
-
-def align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

@@ -202,14 +202,10 @@ class LayerScheduler:
         decode_into(t, f.e_parts, f.sm_parts, out_u16, ctx, verify_e, verify_sm, timer)
 
     def _job(self, f: _Fetch, done):
-        """The whole task chain of one tensor, run on the worker (decode) after an optional read."""
+        """A compressed tensor: decompress and merge on the worker, nothing to read."""
         try:
-            st = f.state
-            verify_e = verify_sm = False
-            if st in ("none", None, "e_only", "sm_only"):
-                raise AssertionError("read jobs go through _read_then_decode")  # pragma: no cover
             t0 = time.perf_counter()
-            self._decode(f, verify_e, verify_sm)
+            self._decode(f, False, False)
             if self.cuda and self.device_merge:
                 self.rt.counters.add_time("decode", time.perf_counter() - t0)
             done(f, None)
