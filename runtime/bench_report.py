@@ -194,6 +194,16 @@ def _fmt_s(v: float | None) -> str:
     return f"{v * 1000:.1f} ms"
 
 
+def _fmt_hits(h: dict | None) -> str:
+    """Hits per pool as percentages of expert-tensor accesses: full·compressed·sm_only·e_only·none."""
+    if not h:
+        return ""
+    total = sum(h.values())
+    if not total:
+        return ""
+    return "·".join(f"{100 * h.get(k, 0) / total:.0f}" for k in ("full", "compressed", "sm_only", "e_only", "none"))
+
+
 def _fmt_x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}x"
 
@@ -217,7 +227,8 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
     rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"]): x for x in rats}
     bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
     t = Table(title=title, show_lines=False, pad_edge=False)
-    cols = ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS")
+    cols = ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS",
+            "hits % F·C·S·E·miss")
     keep = [i for i, c in enumerate(cols) if not compact or c in COMPACT]
     for i in keep:
         t.add_column(cols[i], justify="left" if cols[i] == "engine" else "right", no_wrap=True)
@@ -236,6 +247,7 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
             "–" if bpt is None else f"{bpt / 2**20:.1f}",
             _fmt_s(_med(r, "floor_tpot_s")), _fmt_x(_med(r, "tpot_over_floor")),
             "–" if rss is None else _fmt_budget(rss),
+            _fmt_hits(r.get("hits")),
         ]
         cells = [cells[i] for i in keep]
         for b in bases:

@@ -46,7 +46,7 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
 
     import sys
 
-    con = Console(width=None if sys.stdout.isatty() else 200)
+    con = Console(width=None if sys.stdout.isatty() else 250)
     machine = doc.get("machine", {})
     bw = doc.get("disk_bw") or {}
     cg = doc.get("cgroup") or {}
