@@ -41,8 +41,8 @@ def _merge_kernel(exp_ptr, sm_ptr, out_ptr, start, n, BLOCK: tl.constexpr, EVEN:
     pid = tl.program_id(0).to(tl.int64)
     offs = start + pid * BLOCK + tl.arange(0, BLOCK)
     if EVEN:
-        e = tl.load(exp_ptr + offs, cache_modifier=".cg", eviction_policy="evict_first")
-        s = tl.load(sm_ptr + offs, cache_modifier=".cg", eviction_policy="evict_first")
+        e = tl.load(exp_ptr + offs, eviction_policy="evict_first")
+        s = tl.load(sm_ptr + offs, eviction_policy="evict_first")
     else:
         mask = offs < n
         e = tl.load(exp_ptr + offs, mask=mask, other=0)
