@@ -78,4 +78,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    # Run through the package module, so that commands register on the one `app` object.
+    from zipmoe_cli.app import main as _main
+
+    _main()
