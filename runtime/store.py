@@ -308,19 +308,11 @@ def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np
 
     for seg, e, sm in zip(tensor.segments, e_parts, sm_parts):
         t0 = time.perf_counter()
-        base = seg.e_range[0]
         sm_c = seg.sm_chunk
         if verify_sm:
             verify(sm_c, sm, seg.name, len(seg.e_chunks))
         exp = ctx.scratch("exp", seg.numel)
-        for k, c in enumerate(seg.e_chunks):
-            src = e[c.offset - base : c.offset - base + c.length]
-            if verify_e:
-                verify(c, src, seg.name, k)
-            try:
-                get_codec(c.codec).decompress_into(src, exp[c.raw_offset : c.raw_offset + c.raw_length], ctx)
-            except ContainerError as exc:
-                raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+        _decode_e_chunks(seg, e, exp, ctx, verify_e)
         if sm_c.codec == "raw":
             smv = sm
         else:
@@ -334,18 +326,22 @@ def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np
             timer("merge", t2 - t1)
 
 
-def decode_exp_into(tensor: ExpertTensor, e_parts: list, exp_out: np.ndarray, ctx, verify_e: bool) -> None:
-    """Decompress only (for a device merge): all segments' E streams into ``exp_out`` (flat, numel)."""
+def _decode_e_chunks(seg, e, exp, ctx, verify_e: bool) -> None:
+    """Decompress one segment's E chunks (``e``: its stored E bytes) into ``exp`` (numel bytes)."""
     from zipmoe.codecs.exponent import get_codec
 
+    base = seg.e_range[0]
+    for k, c in enumerate(seg.e_chunks):
+        src = e[c.offset - base : c.offset - base + c.length]
+        if verify_e:
+            verify(c, src, seg.name, k)
+        try:
+            get_codec(c.codec).decompress_into(src, exp[c.raw_offset : c.raw_offset + c.raw_length], ctx)
+        except ContainerError as exc:
+            raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+
+
+def decode_exp_into(tensor: ExpertTensor, e_parts: list, exp_out: np.ndarray, ctx, verify_e: bool) -> None:
+    """Decompress only (for a device merge): all segments' E streams into ``exp_out`` (flat, numel)."""
     for seg, e in zip(tensor.segments, e_parts):
-        base = seg.e_range[0]
-        dst = exp_out[seg.dst : seg.dst + seg.numel]
-        for k, c in enumerate(seg.e_chunks):
-            src = e[c.offset - base : c.offset - base + c.length]
-            if verify_e:
-                verify(c, src, seg.name, k)
-            try:
-                get_codec(c.codec).decompress_into(src, dst[c.raw_offset : c.raw_offset + c.raw_length], ctx)
-            except ContainerError as exc:
-                raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+        _decode_e_chunks(seg, e, exp_out[seg.dst : seg.dst + seg.numel], ctx, verify_e)
