@@ -16,7 +16,7 @@ demo:
     zipmoe analyze {{demo_dir}} | tail -n 6
     zipmoe pack {{demo_dir}} -o out/demo.zmoe --force
     zipmoe verify out/demo.zmoe --against {{demo_dir}}
-    zipmoe chat out/demo.zmoe --budget 400M --greedy --max-new-tokens 40 --prompt "What is the capital of France?"
+    zipmoe chat out/demo.zmoe --budget 800M --greedy --max-new-tokens 40 --prompt "What is the capital of France?"
 
 # Run the test suite (what CI runs).
 test:
