@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zipmoe.kernels.cpu import merge_into, split_into
+from zipmoe.kernels.cpu import histogram_u8_into, merge_into, split_into
 
 __all__ = ["split_ref", "merge_ref", "split_into", "merge_into", "exp_entropy_bits", "bound_bytes"]
 
@@ -33,13 +33,19 @@ def merge_ref(exp: np.ndarray, sm: np.ndarray) -> np.ndarray:
     return (((s & 0x80) << 8) | (e << 7) | (s & 0x7F)).astype(np.uint16)
 
 
+def entropy_from_counts(counts: np.ndarray) -> float:
+    """Shannon entropy (bits per symbol) of a histogram; 0.0 for an empty one."""
+    c = np.asarray(counts, dtype=np.float64)
+    total = c.sum()
+    if total <= 0:
+        return 0.0
+    p = c[c > 0] / total
+    return float(max(0.0, -(p * np.log2(p)).sum()))
+
+
 def exp_entropy_bits(exp: np.ndarray) -> float:
     """Shannon entropy (bits per value) of exponent bytes."""
-    if exp.size == 0:
-        return 0.0
-    counts = np.bincount(exp.reshape(-1), minlength=256).astype(np.float64)
-    p = counts[counts > 0] / exp.size
-    return float(-(p * np.log2(p)).sum())
+    return entropy_from_counts(np.bincount(np.asarray(exp).reshape(-1), minlength=256))
 
 
 def bound_bytes(exp: np.ndarray) -> float:
@@ -47,31 +53,6 @@ def bound_bytes(exp: np.ndarray) -> float:
     return exp.size * (8.0 + exp_entropy_bits(exp)) / 8.0
 
 
-def _histogram_py(exp, counts):  # pragma: no cover - replaced by the numba version
-    counts += np.bincount(exp, minlength=256).astype(np.int64)
-
-
-try:
-    import numba
-
-    @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def _histogram_nb(exp, counts):  # pragma: no cover - compiled
-        for i in range(exp.shape[0]):
-            counts[exp[i]] += 1
-
-    _histogram = _histogram_nb
-except ImportError:  # pragma: no cover
-    _histogram = _histogram_py
-
-
 def histogram_into(exp: np.ndarray, counts: np.ndarray) -> None:
     """Add the byte histogram of ``exp`` (1-D uint8) into ``counts`` (int64[256]); nogil."""
-    _histogram(exp, counts)
-
-
-def entropy_from_counts(counts: np.ndarray) -> float:
-    total = counts.sum()
-    if total == 0:
-        return 0.0
-    p = counts[counts > 0].astype(np.float64) / total
-    return float(-(p * np.log2(p)).sum())
+    histogram_u8_into(exp, counts)

@@ -35,6 +35,7 @@ import numpy as np
 
 from zipmoe.kernels.cpu import histogram_u16_into, merge_into, split_into
 
+from .bitfield import entropy_from_counts as entropy_bits
 from .checkpoint import Checkpoint, SourceTensor, open_checkpoint
 from .naming import classify
 
@@ -53,16 +54,6 @@ __all__ = [
 ]
 
 CHUNK_ELEMENTS = 8 << 20  # elements read per pread while streaming a tensor (16 MiB of bf16)
-
-
-def entropy_bits(counts: np.ndarray) -> float:
-    """Shannon entropy (bits per symbol) of a histogram; 0.0 for an empty one."""
-    c = np.asarray(counts, dtype=np.float64)
-    total = c.sum()
-    if total <= 0:
-        return 0.0
-    p = c[c > 0] / total
-    return float(max(0.0, -(p * np.log2(p)).sum()))
 
 
 def bound_fraction(exp_bits: float) -> float:

@@ -80,3 +80,14 @@ def histogram_u16_into(u16: np.ndarray, counts: np.ndarray) -> None:
     if counts.dtype != np.int64 or counts.shape != (65536,) or not counts.flags.c_contiguous:
         raise ValueError("counts must be a contiguous int64 array of 65536 bins")
     _histogram_u16(u16, counts)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _histogram_u8(exp, counts):  # pragma: no cover - compiled
+    for i in range(exp.shape[0]):
+        counts[exp[i]] += 1
+
+
+def histogram_u8_into(exp: np.ndarray, counts: np.ndarray) -> None:
+    """Add the byte histogram of ``exp`` (1-D uint8) into ``counts`` (int64[256]); nogil."""
+    _histogram_u8(exp, counts)

@@ -29,6 +29,7 @@ from statistics import NormalDist
 import numpy as np
 import torch
 
+from zipmoe.codecs.bitfield import entropy_from_counts as entropy_bits
 from zipmoe.errors import UsageError
 
 #: Values per generated chunk (a multiple of 4: four values per 64-bit raw draw).
@@ -186,9 +187,3 @@ def exponent_histogram(u16: np.ndarray, step: int = 1) -> np.ndarray:
     return np.bincount(((u16[::step] >> 7) & 0xFF).astype(np.uint8), minlength=256)
 
 
-def entropy_bits(hist: np.ndarray) -> float:
-    total = hist.sum()
-    if total == 0:
-        return 0.0
-    p = hist[hist > 0] / total
-    return float(-(p * np.log2(p)).sum())
