@@ -75,9 +75,9 @@ def make_cold(paths=(), allow_drop_caches: bool = True) -> str:
     return "o_direct"
 
 
-def cold_mode_available(paths=()) -> str:
+def cold_mode_available(paths=(), allow_drop_caches: bool = True) -> str:
     """The mode :func:`make_cold` would use, without dropping anything."""
-    if can_drop_caches():
+    if allow_drop_caches and can_drop_caches():
         return "drop_caches"
     if hasattr(os, "posix_fadvise") and files_of(paths):
         return "fadvise"

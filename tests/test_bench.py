@@ -220,6 +220,7 @@ def test_cold_modes_and_bandwidth(tmp_path):
     mode = bench_cold.make_cold([f], allow_drop_caches=False)
     assert mode == "fadvise"
     assert bench_cold.cold_mode_available([f]) in ("drop_caches", "fadvise")
+    assert bench_cold.cold_mode_available([f], allow_drop_caches=False) == "fadvise"
     bw = bench_cold.disk_bandwidth(f, max_bytes=2 << 20, block=1 << 20)
     assert bw["bytes"] == 2 << 20 and bw["bytes_per_s"] > 0
     assert bench_cold._field({"costs": {"disk_bw": 5.0}}, ("disk_bw",)) == 5.0
@@ -244,6 +245,8 @@ def test_cli_bad_input_one_line(capsys, tmp_path):
     assert code == 2 and "cannot read size" in err[0]
     code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--batch", "1,x"], capsys)
     assert code == 2 and "--batch" in err[0]
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--cold-method", "sync"], capsys)
+    assert code == 2 and len(err) == 1 and "unknown --cold-method 'sync'" in err[0]
     code, err = _cli(["bench", "--report", str(tmp_path / "none.json")], capsys)
     assert code == 2 and "no such file" in err[0]
     code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--device", "cpu"], capsys)

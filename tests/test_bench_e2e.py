@@ -38,7 +38,7 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     root = tiny_container
     out = root / "out.json"
     argv = ["bench", str(root / "tiny.zmoe"), "--baseline", "accelerate", "--budget", "2M",
-            "--batch", "2", "--new-tokens", "3", "--runs", "1", "--warm", "--device", "cpu", "--threads", "1",
+            "--batch", "2", "--new-tokens", "3", "--runs", "1", "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1",
             "--source", str(root / "tiny"), "--json", str(out)]
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -56,6 +56,8 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     assert run["bytes_read_engine"] is not None
     assert any(x["engine"] == "zipmoe" and x["baseline"] == "accelerate" and x["tpot_x"] for x in doc["ratios"])
     assert doc["disk_bw"]["bytes_per_s"] > 0
+    assert doc["cold_mode"] == "fadvise"  # --cold-method fadvise: never drop_caches, even as root
+    assert {r["cold_mode"] for d in doc["results"] if d.get("ok") for r in d["runs"]} == {"fadvise"}
     if doc["cgroup"]["usable"]:
         res = next(d for d in doc["results"] if d["engine"] == "zipmoe")
         stats = res["cgroup_stats"]

@@ -92,6 +92,7 @@ def bench(
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
     threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
+    cold_method: str = typer.Option("auto", "--cold-method", help="How cold runs empty the page cache: auto (drop_caches where permitted, else fadvise), drop_caches, or fadvise (POSIX_FADV_DONTNEED on the engine's files only)."),
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
@@ -120,6 +121,13 @@ def bench(
         engines = list(dict.fromkeys(engine))
     else:
         engines = ["zipmoe"] + (["zipmoe-pools", "zipmoe-basic"] if ablations else []) + list(dict.fromkeys(baseline))
+    if cold_method not in ("auto", "drop_caches", "fadvise"):
+        raise UsageError(f"unknown --cold-method {cold_method!r}: use auto, drop_caches or fadvise")
+    if cold_method == "drop_caches" and cold:
+        from zipmoe.runtime.bench_cold import can_drop_caches
+
+        if not can_drop_caches():
+            raise UsageError("--cold-method drop_caches needs write access to /proc/sys/vm/drop_caches (root); use fadvise")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
     if min_tokens < 1:
@@ -136,7 +144,7 @@ def bench(
         batches=bench_run.parse_int_list(batch, "--batch"), new_tokens=bench_run.parse_int_list(new_tokens, "--new-tokens"),
         prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
-        cgroup=not no_cgroup, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
+        cgroup=not no_cgroup, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
     )
     from rich.console import Console
