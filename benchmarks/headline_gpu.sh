@@ -51,6 +51,8 @@ ACC_TIME_LIMIT="${ACC_TIME_LIMIT:-60}"
 TIME_LIMIT="${TIME_LIMIT:-90}"
 QWEN_PRESET="${QWEN_PRESET:-qwen1.5-moe-a2.7b}"   # tiny: a dry run of this script on a CPU
 OLMOE_PRESET="${OLMOE_PRESET:-olmoe-1b-7b}"
+PLAN_PROMPTS="${PLAN_PROMPTS:-builtin}"            # prompts the plans are calibrated on
+BENCH_EXTRA="${BENCH_EXTRA:-}"                     # more bench options, e.g. --cold-method fadvise
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$WORK/.done" "$WORK/logs"
 
@@ -93,7 +95,7 @@ bench_unc() {  # uncompressed, one bench per budget, against the raw container
         is_done "$tag-unc-$b" && continue
         say "$tag: bench uncompressed at $b"
         # FILE is the raw container here (the zstd one does not exist yet): --engine picks the engine
-        "$ZIPMOE" bench "$WORK/$tag-raw.zmoe" --engine uncompressed --budget "$b" \
+        "$ZIPMOE" bench "$WORK/$tag-raw.zmoe" --engine uncompressed $BENCH_EXTRA --budget "$b" \
             --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" --time-limit "$TIME_LIMIT" \
             --raw-container "$WORK/$tag-raw.zmoe" --work-dir "$WORK/$tag-work" \
             --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-unc-$b.log"
@@ -105,7 +107,7 @@ bench_res() {  # resident: every weight on the device, no budget (the ceiling, a
     is_done "$tag-res" && return
     file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
     say "$tag: bench resident"
-    "$ZIPMOE" bench "$file" --engine resident --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
+    "$ZIPMOE" bench "$file" --engine resident $BENCH_EXTRA --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
         --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-res.log"
     done_mark "$tag-res"
 }
@@ -114,7 +116,7 @@ bench_acc() {  # accelerate at one budget (slow: seconds per token)
     is_done "$tag-acc-$budget" && return
     file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
     say "$tag: bench accelerate at $budget (time limit ${ACC_TIME_LIMIT}s per run)"
-    "$ZIPMOE" bench "$file" --engine accelerate --budget "$budget" \
+    "$ZIPMOE" bench "$file" --engine accelerate $BENCH_EXTRA --budget "$budget" \
         --batch "$BATCH" --new-tokens "$TOKENS" --runs "$ACC_RUNS" --cold --device "$DEVICE" --time-limit "$ACC_TIME_LIMIT" \
         --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-acc-$budget.log"
     du -sh "$WORK/$tag-work/offload" 2>/dev/null || true
@@ -141,7 +143,7 @@ plan() {
     say "$tag: plan (profile measured once: disk, decompression, merge, compute)"
     "$ZIPMOE" plan "$WORK/$tag.zmoe" --profile-only --profile "$WORK/$tag-profile.json" --device "$DEVICE" 2>&1 | tee "$WORK/logs/$tag-profile.log"
     for b in $BUDGETS; do
-        "$ZIPMOE" plan "$WORK/$tag.zmoe" --budget "$b" --calibrate builtin --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
+        "$ZIPMOE" plan "$WORK/$tag.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
             --device "$DEVICE" -o "$WORK/$tag-plan-$b.json" 2>&1 | tee -a "$WORK/logs/$tag-plan.log"
     done
     done_mark "$tag-plan"
@@ -153,7 +155,7 @@ bench_zipmoe() {  # one bench per budget: each budget has its own plan
         local planarg=""
         [ -e "$WORK/$tag-plan-$b.json" ] && planarg="--plan $WORK/$tag-plan-$b.json"
         say "$tag: bench zipmoe at $b ${planarg:+(with plan)}"
-        "$ZIPMOE" bench "$WORK/$tag.zmoe" --engine zipmoe --budget "$b" $planarg \
+        "$ZIPMOE" bench "$WORK/$tag.zmoe" --engine zipmoe $BENCH_EXTRA --budget "$b" $planarg \
             --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" --time-limit "$TIME_LIMIT" \
             --profile "$WORK/$tag-profile.json" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-zipmoe-$b.log"
         done_mark "$tag-zipmoe-$b"
@@ -163,7 +165,7 @@ ablations() {  # optional: basic eviction only / + heterogeneous pools, at the f
     local tag=$1 b; b=$(echo $BUDGETS | awk '{print $1}')
     is_done "$tag-ablations" && return
     say "$tag: ablations at $b"
-    "$ZIPMOE" bench "$WORK/$tag.zmoe" --engine zipmoe-basic --engine zipmoe-pools --budget "$b" \
+    "$ZIPMOE" bench "$WORK/$tag.zmoe" $BENCH_EXTRA --engine zipmoe-basic --engine zipmoe-pools --budget "$b" \
         --batch 1 --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
         --profile "$WORK/$tag-profile.json" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-ablations.log"
     done_mark "$tag-ablations"

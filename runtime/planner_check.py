@@ -1,7 +1,7 @@
 """Measured against predicted: serve prompts under a plan (and its single-pool alternatives).
 
     python -m zipmoe.runtime.planner_check M.zmoe --plan plan.json [--prompts builtin|FILE]
-        [--tokens 32] [--alternatives] [--json] [--workers N] [--device cpu]
+        [--tokens 32] [--alternatives] [--json] [--json-out FILE] [--workers N] [--device cpu]
 
 For each plan (the chosen one, and with ``--alternatives`` every single-pool plan recorded in
 plan.json's ``alternatives``), the model is loaded with the plan's budget and pools, the
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--alternatives", action="store_true")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of one line per plan")
+    ap.add_argument("--json-out", default=None, help="also write the rows here, rewritten after every plan")
     a = ap.parse_args(argv)
     with open(a.plan, encoding="utf-8") as f:
         plan = json.load(f)
@@ -154,6 +155,9 @@ def main(argv=None) -> int:
                      "ratio": m["tpot_s"] / p["expected_tpot_s"],
                      "predicted_layer_s": p["expected_layer_makespan_s"], "measured_layer_s": m["layer_makespan_s"],
                      "predicted_hits": p["expected_hits"], "measured_hits": m["hits"], "steps": m["steps"]})
+        if a.json_out:  # after every plan: a long check that is cut short keeps what it measured
+            with open(a.json_out, "w", encoding="utf-8") as f:
+                json.dump({"container": a.container, "plan": a.plan, "device": a.device, "tokens": a.tokens, "rows": rows}, f, indent=2)
         if not a.json:
             r = rows[-1]
             hits = lambda h: "·".join(f"{h[s]:.2f}" for s in STATES)  # noqa: E731

@@ -218,3 +218,31 @@ def test_layout_budget_accounting_matches_the_runtime(container):
         assert lay.min_budget(workers) == req["min_budget"]
         assert lay.scratch_bytes(workers) + (workers + 2) * lay.expert_working == req["working_bytes"]
         assert lay.total_expert_full == req["expert_bytes_full"]
+
+
+def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp_path, capsys):
+    """The predicted-vs-measured tool behind docs/benchmarks.md §7: one row per plan, hits that
+    add up to the experts each token uses, the JSON rewritten after every plan."""
+    pytest.importorskip("zipmoe.runtime.loader")
+    from zipmoe.runtime import planner_check
+
+    path, cid = container
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\ndef fibonacci(n):\n")
+    plan_path = tmp_path / "plan.json"
+    code, _, err = _run(["plan", path, "--budget", "1M", "--trace", _trace(tmp_path / "t.jsonl", cid),
+                         "--profile", _profile(path, cid, tmp_path), "--workers", "1", "-o", plan_path], capsys)
+    assert code == 0, err
+    out = tmp_path / "check.json"
+    assert planner_check.main([str(path), "--plan", str(plan_path), "--prompts", str(prompts), "--tokens", "4",
+                               "--alternatives", "--workers", "1", "--json-out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    plan = json.loads(plan_path.read_text())
+    names = [r["plan"] for r in doc["rows"]]
+    assert names[0] == "chosen" and len(names) == 1 + sum(1 for n in plan["alternatives"] if n != "no cache")
+    for r in doc["rows"]:
+        assert r["measured_tpot_s"] > 0 and r["ratio"] == pytest.approx(r["measured_tpot_s"] / r["predicted_tpot_s"])
+        assert sum(r["measured_hits"].values()) == pytest.approx(2.0)  # top-2 of 8 experts per layer
+        assert r["steps"] == 2 * (4 - 1)  # per prompt: the gaps between its 4 tokens (the prefill excluded)
+        assert f"{r['plan']:16s} TPOT predicted" in printed

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One device session's GPU work (issues 5 and 6), run DETACHED so that no 10-minute command
+# limit cuts a stage and a stuck step cannot eat the output of the ones before it.
+#
+#   bash benchmarks/device_session.sh start [SECONDS]   install, launch the pipeline, follow it
+#   bash benchmarks/device_session.sh watch [SECONDS]   follow it again (next device call)
+#
+# `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
+# (the repository copy is re-synced by every device call), then starts the pipeline under
+# `setsid` (it outlives the call while the machine is held). Both modes print the pipeline's
+# progress for SECONDS (default 540) or until it ends, then pack the results and logs into
+# $OUT/results.tgz (one file: the device returns at most 8).
+#
+# The pipeline, each step under its own `timeout`:
+#   probe         machine, GPU, memory cgroup detection (no page-cache self-check yet)
+#   olmoe         synth olmoe-1b-7b (fused), raw and zstd containers, profile, plans at 4G and 8G
+#   planner GPU   planner_check: predicted vs measured TPOT on the GPU, chosen plan + alternatives
+#   olmoe bench   uncompressed, zipmoe (with plan), accelerate at 4G and 8G, batch 1 and 4
+#   cgroup check  the 512 MiB page-cache cap self-check, last (suspected in an earlier hang)
+#   qwen          the qwen1.5-moe-a2.7b stages of headline_gpu.sh, as far as time allows
+# Cold runs use fadvise, never drop_caches (the other suspect).
+set -uo pipefail
+HL=/tmp/hl
+WORK=$HL/work
+mode=${1:-watch}
+secs=${2:-540}
+
+env_setup() {
+    export PYTHONPATH=/tmp/site PATH=/tmp/bin:/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
+        CUBLAS_WORKSPACE_CONFIG=:4096:8 TOKENIZERS_PARALLELISM=false WORK
+}
+
+install() {
+    mkdir -p $HL /tmp/bin "$WORK"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+    printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python && chmod +x /tmp/bin/python
+    cp benchmarks/headline_gpu.sh benchmarks/device_session.sh benchmarks/prompts4.txt $HL/
+}
+
+step() {  # step NAME SECONDS CMD...: one line before and after, the exit status kept in the log
+    local name=$1 limit=$2; shift 2
+    echo "== $name  start $(date -u +%H:%M:%S)"
+    timeout -k 15 "$limit" "$@"
+    local rc=$?
+    echo "== $name  rc=$rc  end $(date -u +%H:%M:%S)"
+    return $rc
+}
+
+pipeline() {
+    env_setup
+    cd $HL
+    local H="bash $HL/headline_gpu.sh"
+    export BENCH_EXTRA="--cold-method fadvise" TOKENS=${TOKENS:-12}
+    step probe 120 sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2; df -h /tmp | tail -1;
+        python3 -c "import torch, transformers, zstandard, lz4, accelerate; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"accelerate\", accelerate.__version__, \"cuda\", torch.cuda.is_available())";
+        python3 -m zipmoe.runtime.bench_cgroup --no-check'
+    # ---- olmoe-1b-7b: everything fits at once (source 12.9 GiB + raw 12.9 + zstd 8.6)
+    export BUDGETS="4G 8G" PLAN_PROMPTS=$HL/prompts4.txt
+    step olmoe-synth 420 $H olmoe-synth
+    step olmoe-raw 300 $H olmoe-raw
+    step olmoe-pack 420 $H olmoe-pack
+    step olmoe-plan 420 $H olmoe-plan
+    step planner-check 420 python3 -m zipmoe.runtime.planner_check "$WORK/olmoe.zmoe" --plan "$WORK/olmoe-plan-4G.json" \
+        --prompts $HL/prompts4.txt --tokens 12 --alternatives --device "${DEVICE:-cuda}" --json-out "$WORK/olmoe-planner-check-4G.json"
+    step olmoe-unc 600 $H olmoe-unc
+    step olmoe-zipmoe 600 $H olmoe-zipmoe
+    step olmoe-acc 600 $H olmoe-acc
+    step olmoe-report 60 $H report
+    step cgroup-check 120 sh -c 'python3 -m zipmoe.runtime.bench_cgroup > $WORK/cgroup-check.json; grep -E "observation|reason" $WORK/cgroup-check.json'
+    # ---- qwen1.5-moe-a2.7b: free olmoe's disk first
+    step olmoe-clean 120 $H olmoe-clean
+    export BUDGETS="8G 16G"
+    for s in qwen-synth qwen-raw qwen-unc qwen-acc qwen-rmraw qwen-pack qwen-plan qwen-zipmoe report; do
+        step $s 900 $H $s
+    done
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
+collect() {
+    [ -n "${OUT:-}" ] || return 0
+    cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
+    (cd "$WORK" 2>/dev/null && tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.zmoe' --exclude='*-src' \
+        --exclude='offload' --exclude='tokenizer' --exclude='source' ./*.json logs ./*-work/*.log ./*-work/*.jsonl 2>/dev/null)
+}
+
+follow() {
+    local end=$(( $(date +%s) + secs )) seen=0 n
+    while [ "$(date +%s)" -lt "$end" ]; do
+        n=$(wc -l < $HL/progress.log 2>/dev/null || echo 0)
+        if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" $HL/progress.log | cut -c1-300 | grep -v -E '^\s*$' | grep -v -E '━|it/s\]'; seen=$n; fi
+        grep -q "PIPELINE DONE" $HL/progress.log 2>/dev/null && break
+        sleep 5
+    done
+    collect
+}
+
+case "$mode" in
+    start)
+        install || { echo "device_session: install failed"; exit 1; }
+        setsid nohup bash $HL/device_session.sh pipeline > $HL/progress.log 2>&1 < /dev/null &
+        sleep 2; follow ;;
+    pipeline) pipeline ;;
+    watch) follow ;;
+    *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;
+esac
