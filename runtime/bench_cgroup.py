@@ -7,22 +7,31 @@ model from cached file pages:
 - cgroup v2 (``cgroup2`` mount, ``memory`` in the controllers): ``memory.max``, peak from
   ``memory.peak``, OOM kills from ``memory.events``. The parent must have ``memory`` in its
   ``cgroup.subtree_control``; that can only be switched on when the parent holds no processes
-  itself (the "no internal processes" rule), so inside a container whose own cgroup holds the
-  shell this is often impossible. :func:`detect` says so instead of moving anything around.
+  itself (the "no internal processes" rule: the write fails with EBUSY), so inside a container
+  or VM agent whose own cgroup holds the shell it fails. By default :func:`detect` says so and
+  names ``--cgroup-move-to-leaf``. With ``move_to_leaf=True`` (opt-in, root only) it does what
+  container runtimes and systemd do: create the leaf child ``<own>/zipmoe-leaf``, move every
+  process of the own cgroup into it (this process, its parent shell and their siblings),
+  enable ``memory`` for children and record that in ``CgroupSupport.notes``. The processes stay
+  in the leaf afterwards, and the own cgroup can take no processes directly any more.
 - cgroup v1 (a ``cgroup`` mount with the ``memory`` option): ``memory.limit_in_bytes``, peak
   from ``memory.max_usage_in_bytes``, OOM kills from ``memory.oom_control``.
 
-:func:`detect` never changes anything; :class:`MemoryCgroup` creates a child, the engine's
-process joins it (``join`` writes its own pid, so it is inside before it imports torch), and
-``close`` removes it. :func:`check_page_cache_cap` is the self-test the benchmark report
-records: read a file three times the limit inside a limited cgroup and see how much of it the
-page cache kept.
+:func:`detect` moves no process unless ``move_to_leaf`` is true; what it may change otherwise
+is the switch above (``+memory`` in the own cgroup's ``subtree_control``, where the kernel
+allows it) and, with ``probe``, a test child it removes at once. :class:`MemoryCgroup` creates
+a child, the engine's process joins it (``join`` writes its own pid, so it is inside before it
+imports torch), and ``close`` removes it. :func:`check_page_cache_cap` is the self-test the
+benchmark report records: read a file three times the limit inside a limited cgroup and see how
+much of it the page cache kept.
 
-Run ``python -m zipmoe.runtime.bench_cgroup`` for the detection and the page-cache check as JSON.
+Run ``python -m zipmoe.runtime.bench_cgroup [--no-check] [--move-to-leaf]`` for the detection
+and the page-cache check as JSON.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -33,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ENV_CGROUP = "ZIPMOE_BENCH_CGROUP"  # the engine's process joins the cgroup folder named here
+LEAF_NAME = "zipmoe-leaf"  # child of the own v2 cgroup that its processes move to (move_to_leaf)
+MOVE_OPTION = "--cgroup-move-to-leaf"  # the bench option that allows the move
 
 
 @dataclass
@@ -85,10 +96,15 @@ def _join(mount_root: str, mount_point: str, path: str) -> Path:
     return Path(mount_point) / path.lstrip("/")
 
 
-def detect(mountinfo: str | None = None, proc_cgroup: str | None = None, probe: bool = True) -> CgroupSupport:
+def detect(mountinfo: str | None = None, proc_cgroup: str | None = None, probe: bool = True,
+           move_to_leaf: bool = False) -> CgroupSupport:
     """Find where a child memory cgroup can be made. ``probe`` tries mkdir/rmdir of a test child.
 
     ``mountinfo`` and ``proc_cgroup`` default to this process's /proc files (tests pass text).
+    ``move_to_leaf``: when cgroup v2 refuses the memory controller for children because the
+    own cgroup holds processes (EBUSY), move them all into ``<own>/zipmoe-leaf`` and try again
+    (see :func:`move_procs_to_leaf`); what was moved is in ``notes``. Off by default: then no
+    process is ever moved.
     """
     try:
         mountinfo = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
@@ -113,7 +129,7 @@ def detect(mountinfo: str | None = None, proc_cgroup: str | None = None, probe: 
     candidates.sort(key=lambda c: -c[0])  # prefer v2
     reasons = []
     for version, folder in candidates:
-        why = _usable(version, folder, probe)
+        why = _usable(version, folder, probe, move_to_leaf, notes)
         if why is None:
             return CgroupSupport(True, version, str(folder), reason=f"cgroup v{version} memory controller at {folder}", notes=notes)
         reasons.append(f"v{version} at {folder}: {why}")
@@ -127,7 +143,57 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _usable(version: int, folder: Path, probe: bool) -> str | None:
+def _enable_memory_for_children(folder: Path) -> None:
+    """Write ``+memory`` to ``folder``'s subtree_control (EBUSY while ``folder`` holds processes)."""
+    (folder / "cgroup.subtree_control").write_text("+memory")
+
+
+def _move_pid(procs_file: Path, pid: int) -> None:
+    """Move one process into the cgroup whose ``cgroup.procs`` is ``procs_file`` (one pid a write)."""
+    procs_file.write_text(str(pid))
+
+
+def _pids(procs_file: Path) -> list[int] | None:
+    text = _read(procs_file)
+    if text is None:
+        return None
+    return [int(p) for p in text.split() if p.isdigit()]
+
+
+def move_procs_to_leaf(folder: Path, leaf_name: str = LEAF_NAME, passes: int = 5) -> tuple[int, str | None]:
+    """Move every process of the cgroup ``folder`` into its child ``leaf_name`` (made if missing).
+
+    Returns (processes moved, None) or (processes moved before it went wrong, why). A pid that
+    exited meanwhile is skipped; the list is read again up to ``passes`` times because processes
+    can fork while they are moved. Processes already moved stay in the leaf when it fails.
+    """
+    leaf = folder / leaf_name
+    try:
+        leaf.mkdir(exist_ok=True)
+    except OSError as exc:
+        return 0, f"cannot create the leaf cgroup {leaf} ({exc.strerror})"
+    moved: set[int] = set()
+    for _ in range(passes):
+        pids = _pids(folder / "cgroup.procs")
+        if pids is None:
+            return len(moved), f"cannot read {folder / 'cgroup.procs'}"
+        if not pids:
+            return len(moved), None
+        for pid in pids:
+            try:
+                _move_pid(leaf / "cgroup.procs", pid)
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:  # exited meanwhile
+                    continue
+                return len(moved), f"cannot move process {pid} into {leaf} ({exc.strerror or exc})"
+            moved.add(pid)
+    left = _pids(folder / "cgroup.procs")
+    if left:
+        return len(moved), f"{len(left)} processes still in {folder} after {passes} passes (they keep forking)"
+    return len(moved), None
+
+
+def _usable(version: int, folder: Path, probe: bool, move_to_leaf: bool = False, notes: list[str] | None = None) -> str | None:
     """None when a child with a memory limit can be made under ``folder``, else why not."""
     if not folder.is_dir():
         return "own cgroup folder is not visible"
@@ -137,9 +203,25 @@ def _usable(version: int, folder: Path, probe: bool) -> str | None:
         sub = _read(folder / "cgroup.subtree_control") or ""
         if "memory" not in sub.split():
             try:
-                (folder / "cgroup.subtree_control").write_text("+memory")
+                _enable_memory_for_children(folder)
             except OSError as exc:
-                return f"cannot enable the memory controller for children ({exc.strerror}; the own cgroup holds processes)"
+                if exc.errno != errno.EBUSY:
+                    return f"cannot enable the memory controller for children ({exc.strerror or exc})"
+                if not move_to_leaf:
+                    return (f"cannot enable the memory controller for children ({exc.strerror or exc}; the own cgroup holds "
+                            f"processes; {MOVE_OPTION} moves them into a leaf child {LEAF_NAME}, as container runtimes do)")
+                moved, err = move_procs_to_leaf(folder)
+                if err is not None:
+                    return (f"cannot enable the memory controller for children: the own cgroup holds processes and moving them "
+                            f"into {folder / LEAF_NAME} failed part way ({moved} moved, they stay there): {err}")
+                try:
+                    _enable_memory_for_children(folder)
+                except OSError as exc2:
+                    return (f"cannot enable the memory controller for children even after moving {moved} processes into "
+                            f"{folder / LEAF_NAME} ({exc2.strerror or exc2})")
+                if notes is not None:
+                    notes.append(f"moved {moved} processes of {folder} into {folder / LEAF_NAME} so that the memory controller "
+                                 f"could be enabled for children (cgroup v2 no-internal-process rule)")
     if not probe:
         return None
     test = folder / f"zipmoe-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -313,13 +395,15 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def check_page_cache_cap(limit_bytes: int = 512 << 20, file_bytes: int = 1536 << 20, folder: str | None = None) -> dict:
+def check_page_cache_cap(limit_bytes: int = 512 << 20, file_bytes: int = 1536 << 20, folder: str | None = None,
+                         move_to_leaf: bool = False) -> dict:
     """Read a ``file_bytes`` file inside a ``limit_bytes`` cgroup; report what the cache kept.
 
     Evidence recorded: the cgroup's peak usage and page cache, and the growth of the system's
     ``Cached`` (from /proc/meminfo), which includes pages charged to no cgroup at all.
+    ``move_to_leaf`` is passed to :func:`detect`.
     """
-    support = detect()
+    support = detect(move_to_leaf=move_to_leaf)
     result = {"limit_bytes": limit_bytes, "file_bytes": file_bytes, "support": support.to_dict()}
     if not support.usable:
         result.update(ok=False, observation=f"no cgroup: {support.reason}")
@@ -379,9 +463,14 @@ def check_page_cache_cap(limit_bytes: int = 512 << 20, file_bytes: int = 1536 <<
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    out = {"detect": detect().to_dict()}
+    unknown = [a for a in argv if a not in ("--no-check", "--move-to-leaf")]
+    if unknown:
+        print(f"error: unknown option {unknown[0]!r}: use --no-check and/or --move-to-leaf", file=sys.stderr)
+        return 2
+    move = "--move-to-leaf" in argv
+    out = {"detect": detect(move_to_leaf=move).to_dict()}
     if "--no-check" not in argv:
-        out["page_cache_check"] = check_page_cache_cap()
+        out["page_cache_check"] = check_page_cache_cap(move_to_leaf=move)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -69,6 +69,7 @@ class BenchConfig:
     min_tokens: int = 2
     threads: int | None = None
     cgroup: bool = True
+    cgroup_move_to_leaf: bool = False  # cgroup v2: move this cgroup's processes into a leaf child (bench_cgroup.detect)
     cold_method: str = "auto"  # auto (drop_caches where permitted, else fadvise), drop_caches, fadvise
     cgroup_slack: int | None = None
     disk_bw: float | None = None
@@ -459,7 +460,11 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         log("note: no --plan given: the 'zipmoe' engine runs with the runtime's default pool split")
 
     # cgroup
-    support = bench_cgroup.detect() if cfg.cgroup else bench_cgroup.CgroupSupport(False, reason="disabled with --no-cgroup")
+    support = (bench_cgroup.detect(move_to_leaf=cfg.cgroup_move_to_leaf) if cfg.cgroup
+               else bench_cgroup.CgroupSupport(False, reason="disabled with --no-cgroup"))
+    for note in support.notes:
+        if note.startswith("moved "):  # processes were moved (--cgroup-move-to-leaf): say so on the console too
+            log(f"note: {note}")
     doc["cgroup"] = support.to_dict()
     if not support.usable:
         log(f"note: no memory cgroup ({support.reason}); budgets are enforced by the engines' own limits only")

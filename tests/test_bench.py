@@ -188,6 +188,148 @@ def test_detect_v2_and_its_failures(tmp_path):
     assert not s.usable
 
 
+def _busy_v2_tree(tmp_path, monkeypatch, pids, fork_on=None, fail_on=None, errno_first=None):
+    """A fake cgroup v2 own folder holding ``pids``, with the kernel's rules for the two writes.
+
+    ``+memory`` into subtree_control fails with EBUSY while the own cgroup.procs lists a pid
+    (or with ``errno_first`` the first time); writing a pid into a cgroup.procs moves it out of
+    the own folder. ``fork_on``: {pid: new pid} appears in the own folder when pid is moved (a
+    fork during the move); ``fail_on``: {pid: errno} the move of that pid fails with.
+    """
+    import errno
+
+    v2 = tmp_path / "cg2"
+    me = v2 / "process_api" / "abc"
+    me.mkdir(parents=True)
+    (me / "cgroup.controllers").write_text("cpu memory pids\n")
+    (me / "cgroup.subtree_control").write_text("")
+    (me / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+    calls = {"enable": 0, "moves": []}
+
+    def own_pids():
+        return [int(x) for x in (me / "cgroup.procs").read_text().split()]
+
+    def enable(folder):
+        assert folder == me
+        calls["enable"] += 1
+        if errno_first is not None and calls["enable"] == 1:
+            raise OSError(errno_first, os.strerror(errno_first))
+        if own_pids():
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        (folder / "cgroup.subtree_control").write_text("memory\n")
+
+    def move(procs_file, pid):
+        calls["moves"].append((procs_file, pid))
+        if fail_on and pid in fail_on:
+            if fail_on[pid] == errno.ESRCH:  # the process has exited: it is gone from cgroup.procs too
+                (me / "cgroup.procs").write_text("".join(f"{p}\n" for p in own_pids() if p != pid))
+            raise OSError(fail_on[pid], os.strerror(fail_on[pid]))
+        left = [p for p in own_pids() if p != pid]
+        if fork_on and pid in fork_on:
+            left.append(fork_on[pid])
+        (me / "cgroup.procs").write_text("".join(f"{p}\n" for p in left))
+        with open(procs_file, "a") as f:
+            f.write(f"{pid}\n")
+
+    monkeypatch.setattr(bench_cgroup, "_enable_memory_for_children", enable)
+    monkeypatch.setattr(bench_cgroup, "_move_pid", move)
+    return V2_ONLY.format(v2=v2), "0::/process_api/abc\n", me, calls
+
+
+def test_detect_v2_busy_moves_nothing_without_the_option(tmp_path, monkeypatch):
+    mounts, own, me, calls = _busy_v2_tree(tmp_path, monkeypatch, [101, 102])
+    s = bench_cgroup.detect(mounts, own, probe=False)
+    assert not s.usable and calls["enable"] == 1
+    assert "--cgroup-move-to-leaf" in s.reason and "Device or resource busy" in s.reason
+    assert calls["moves"] == [] and not (me / "zipmoe-leaf").exists()
+    assert (me / "cgroup.procs").read_text().split() == ["101", "102"]
+    assert (me / "cgroup.subtree_control").read_text() == ""
+
+
+def test_detect_v2_busy_moves_to_leaf(tmp_path, monkeypatch):
+    import errno
+
+    # 102 forks 104 while it is moved (a second pass is needed); 999 exits before its move (ESRCH)
+    mounts, own, me, calls = _busy_v2_tree(tmp_path, monkeypatch, [101, 102, 999, 103, 105, 106, 107], fork_on={102: 104},
+                                           fail_on={999: errno.ESRCH})
+    s = bench_cgroup.detect(mounts, own, probe=False, move_to_leaf=True)
+    assert s.usable and s.version == 2 and s.parent == str(me), s.reason
+    leaf = me / "zipmoe-leaf"
+    assert sorted(int(p) for p in (leaf / "cgroup.procs").read_text().split()) == [101, 102, 103, 104, 105, 106, 107]
+    assert (me / "cgroup.procs").read_text().split() == []
+    assert all(f == leaf / "cgroup.procs" for f, _ in calls["moves"])
+    assert "memory" in (me / "cgroup.subtree_control").read_text().split() and calls["enable"] == 2
+    moved = [n for n in s.notes if n.startswith("moved ")]
+    assert moved == [f"moved 7 processes of {me} into {leaf} so that the memory controller could be enabled "
+                     f"for children (cgroup v2 no-internal-process rule)"]
+
+
+def test_detect_v2_move_to_leaf_failures_are_reasons(tmp_path, monkeypatch):
+    import errno
+
+    # the move of 102 is refused: 101 stays moved, 103 is not tried, nothing raises
+    mounts, own, me, calls = _busy_v2_tree(tmp_path / "a", monkeypatch, [101, 102, 103], fail_on={102: errno.EPERM})
+    s = bench_cgroup.detect(mounts, own, probe=False, move_to_leaf=True)
+    assert not s.usable and "failed part way (1 moved" in s.reason and "cannot move process 102" in s.reason
+    assert [p for _, p in calls["moves"]] == [101, 102] and calls["enable"] == 1
+    assert (me / "cgroup.procs").read_text().split() == ["102", "103"]
+    # processes that keep forking: give up after the passes, say so
+    forks = {100 + i: 101 + i for i in range(20)}
+    mounts, own, me, calls = _busy_v2_tree(tmp_path / "b", monkeypatch, [100], fork_on=forks)
+    s = bench_cgroup.detect(mounts, own, probe=False, move_to_leaf=True)
+    assert not s.usable and "still in" in s.reason and len(calls["moves"]) == 5
+    # another error than EBUSY (here EACCES): moving would not help, so nothing is moved
+    mounts, own, me, calls = _busy_v2_tree(tmp_path / "c", monkeypatch, [101], errno_first=errno.EACCES)
+    s = bench_cgroup.detect(mounts, own, probe=False, move_to_leaf=True)
+    assert not s.usable and calls["moves"] == [] and "--cgroup-move-to-leaf" not in s.reason
+    assert "Permission denied" in s.reason
+
+
+def test_cgroup_module_main_passes_move_to_leaf(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(bench_cgroup, "detect", lambda **kw: seen.append(("detect", kw)) or bench_cgroup.CgroupSupport(False, reason="t"))
+    monkeypatch.setattr(bench_cgroup, "check_page_cache_cap", lambda **kw: seen.append(("check", kw)) or {})
+    assert bench_cgroup.main(["--move-to-leaf"]) == 0
+    assert seen == [("detect", {"move_to_leaf": True}), ("check", {"move_to_leaf": True})]
+    seen.clear()
+    assert bench_cgroup.main(["--no-check"]) == 0 and seen == [("detect", {"move_to_leaf": False})]
+    capsys.readouterr()
+    assert bench_cgroup.main(["--move-to-leaves"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--move-to-leaves" in err[0]
+
+
+def test_bench_passes_cgroup_move_to_leaf_to_detect(tmp_path, monkeypatch, capsys):
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def fake_detect(**kw):
+        seen.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(bench_cgroup, "detect", fake_detect)
+    monkeypatch.setattr(bench_run, "_container_info", lambda path: ({}, {}, "cid"))
+    monkeypatch.setattr(bench_run, "machine_info", lambda device: {})
+    f = tmp_path / "m.zmoe"
+    f.write_bytes(b"")
+    for flag in (True, False):
+        cfg = bench_run.BenchConfig(container=f, engines=[], budgets=[], device="cpu", work_dir=tmp_path / "w", cgroup_move_to_leaf=flag)
+        with pytest.raises(Stop):
+            bench_run.run_bench(cfg, log=lambda m: None)
+    assert seen == [{"move_to_leaf": True}, {"move_to_leaf": False}]
+    # the CLI flag reaches BenchConfig
+    got = []
+    monkeypatch.setattr(bench_run, "run_bench", lambda cfg, **kw: got.append(cfg) or (_ for _ in ()).throw(UsageError("stop")))
+    code, err = _cli(["bench", str(f), "--budget", "1G", "--device", "cpu", "--cgroup-move-to-leaf"], capsys)
+    assert code == 2 and got[-1].cgroup_move_to_leaf is True and got[-1].cgroup is True
+    code, err = _cli(["bench", str(f), "--budget", "1G", "--device", "cpu"], capsys)
+    assert code == 2 and got[-1].cgroup_move_to_leaf is False
+    code, err = _cli(["bench", str(f), "--budget", "1G", "--no-cgroup", "--cgroup-move-to-leaf"], capsys)
+    assert code == 2 and len(err) == 1 and "contradict" in err[0] and len(got) == 2
+
+
 @pytest.mark.skipif(not bench_cgroup.detect().usable, reason="no writable memory cgroup on this machine")
 def test_real_cgroup_create_limit_remove():
     support = bench_cgroup.detect()

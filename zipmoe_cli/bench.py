@@ -94,6 +94,7 @@ def bench(
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
     cold_method: str = typer.Option("auto", "--cold-method", help="How cold runs empty the page cache: auto (drop_caches where permitted, else fadvise), drop_caches, or fadvise (POSIX_FADV_DONTNEED on the engine's files only)."),
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),
+    cgroup_move_to_leaf: bool = typer.Option(False, "--cgroup-move-to-leaf", help="cgroup v2, root only: when the memory controller cannot be enabled because this cgroup holds processes, move them (this shell included) into a leaf child zipmoe-leaf, as container runtimes do; they stay there."),
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth for the I/O floor, e.g. 1.5G (per second); default: plan's profile, else measured."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
     trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Record the zipmoe engine's activation trace here (for `zipmoe plan --trace`)."),
@@ -128,6 +129,8 @@ def bench(
 
         if not can_drop_caches():
             raise UsageError("--cold-method drop_caches needs write access to /proc/sys/vm/drop_caches (root); use fadvise")
+    if cgroup_move_to_leaf and no_cgroup:
+        raise UsageError("--cgroup-move-to-leaf and --no-cgroup contradict each other: give one of them")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
     if min_tokens < 1:
@@ -144,7 +147,7 @@ def bench(
         batches=bench_run.parse_int_list(batch, "--batch"), new_tokens=bench_run.parse_int_list(new_tokens, "--new-tokens"),
         prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
-        cgroup=not no_cgroup, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
+        cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
     )
     from rich.console import Console
