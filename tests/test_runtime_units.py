@@ -235,3 +235,46 @@ def test_inference_mode_then_grad_mode(tmp_path_factory):
     with torch.no_grad():
         assert torch.equal(a, ref(**batch).logits)
     model.zipmoe.close()
+
+
+# ----------------------------------------------------------------------------- experts hook: host indices
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+def test_host_indices_are_torch_where_of_the_eager_mask(top_k):
+    """routed_indices/switch_indices give, per hit expert, exactly torch.where(expert_mask[e]) (values,
+    order and dtype) and the eager hit list, without building the mask: the hook gathers with them."""
+    from zipmoe.runtime.experts_hook import per_expert, routed_indices, switch_indices
+
+    g = torch.Generator().manual_seed(top_k)
+    num_experts = 5  # few experts, so several tokens share one
+    shared = 0
+    for batch in range(1, 6):
+        for seq in (1, 3):  # decode and prefill shapes
+            tokens = batch * seq
+            # distinct experts per token; the id num_experts ("no expert") appears now and then
+            ids = torch.stack([torch.randperm(num_experts + 1, generator=g)[:top_k] for _ in range(tokens)])
+            mask = torch.nn.functional.one_hot(ids, num_classes=num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+            experts, index, sizes = routed_indices(ids, num_experts)
+            assert experts == [e for e in hit if e != num_experts]
+            assert index.dtype == torch.int64 and index.shape[1] == int((ids != num_experts).sum())
+            shared += sum(n > 1 for n in sizes)
+            parts = per_expert(experts, index, sizes)
+            assert list(parts) == experts
+            for e in experts:
+                top_k_pos, token_idx = torch.where(mask[e])
+                assert torch.equal(parts[e][0], top_k_pos) and torch.equal(parts[e][1], token_idx)
+
+            # SwitchTransformers: a [tokens, 1, E] one_hot mask, some tokens dropped (over capacity)
+            sel = torch.nn.functional.one_hot(ids[:, :1] % num_experts, num_classes=num_experts)
+            sel[torch.rand(tokens, generator=g) < 0.2] = 0
+            smask = sel.permute(2, 1, 0)
+            experts, index, sizes = switch_indices(sel)
+            assert experts == torch.greater(smask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+            parts = per_expert(experts, index, sizes)
+            for e in experts:
+                idx, top_x = torch.where(smask[e])
+                assert torch.equal(parts[e][0], idx) and torch.equal(parts[e][1], top_x)
+    assert shared >= 5  # experts with several tokens were exercised
+    with pytest.raises(ValueError):
+        routed_indices(torch.tensor([[num_experts + 1]]), num_experts)
+    assert routed_indices(torch.empty((0, top_k), dtype=torch.int64), num_experts)[0] == []
