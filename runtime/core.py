@@ -8,7 +8,8 @@ Budget accounting (bytes; "weights held by the runtime"):
   tensors (tied weights once).
 * ``working``: what fetching experts needs at most at once: ``window`` experts in flight, each
   its bf16 compute tensors plus the aligned read buffers of its chunks, plus one decode scratch
-  buffer per worker. ``window`` is ``workers + 2`` experts when the budget allows, fewer (down
+  buffer per worker. Read buffers are reused (``store.ReadBuffers``); idle ones count in
+  ``held_bytes`` and are dropped so that idle + in flight stays within the window's share. ``window`` is ``workers + 2`` experts when the budget allows, fewer (down
   to 1) when it does not.
 * the pools: what is left, split by the plan (``plan["pools"]``) or by the default split.
 
@@ -180,12 +181,23 @@ class Runtime:
         return working_bytes_of(t) + (t.full_bytes if self.device.type == "cuda" else 0)
 
     def held_bytes(self) -> int:
-        return self.dense_bytes + self.scratch_bytes + self.cache.used_bytes() + self._inflight
+        return self.dense_bytes + self.scratch_bytes + self.cache.used_bytes() + self._inflight + self.store.buffers.idle_bytes
+
+    def _idle_room(self) -> int:
+        """Read buffers may stay idle in what the window reserves and the experts in flight do not use."""
+        return self.window * self.expert_working - self._inflight
 
     def hold(self, n: int) -> None:
         with self._lock:
             self._inflight += n
+            self.store.buffers.trim(self._idle_room())
         self.counters.note_held(self.held_bytes())
+
+    def recycle(self, bufs: list) -> None:
+        """Take back a finished fetch's read buffers (after :meth:`release` of its bytes)."""
+        if bufs:
+            with self._lock:
+                self.store.buffers.put(bufs, self._idle_room())
 
     def release(self, n: int) -> None:
         with self._lock:

@@ -120,7 +120,7 @@ class PriorityWorkers:
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w")
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
@@ -133,6 +133,25 @@ class _Fetch:
         self.sm_host = None
         self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
         self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
+        self.bufs: list = []  # the aligned read buffers (store.buffers) behind e_parts / sm_parts
+
+
+class _Latch:
+    """Counts down the jobs of one split tensor; the last one learns the first error."""
+
+    __slots__ = ("n", "exc", "lock")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.exc = None
+        self.lock = threading.Lock()
+
+    def count_down(self, exc) -> tuple[bool, BaseException | None]:
+        with self.lock:
+            if exc is not None and self.exc is None:
+                self.exc = exc
+            self.n -= 1
+            return self.n == 0, self.exc
 
 
 class LayerScheduler:
@@ -170,9 +189,9 @@ class LayerScheduler:
         t = f.tensor
         wanted = [r for s in t.segments for r, need in ((s.e_range, need_e), (s.sm_range, need_sm)) if need]
         bufs = []
-        for off, ln in t.ranges(need_e, need_sm):
+        for i, (off, ln) in enumerate(t.ranges(need_e, need_sm)):
             payload = sum(r[1] for r in wanted if off <= r[0] < off + ln)
-            bufs.append((off, self.rt.store.read(off, ln, payload)))
+            bufs.append((off, self.rt.store.read(off, ln, payload, buf=f.bufs[i] if i < len(f.bufs) else None)))
         if need_e:
             f.e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
         if need_sm:
@@ -201,16 +220,88 @@ class LayerScheduler:
         out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
         decode_into(t, f.e_parts, f.sm_parts, out_u16, ctx, verify_e, verify_sm, timer)
 
-    def _job(self, f: _Fetch, done):
-        """A compressed tensor: decompress and merge on the worker, nothing to read."""
+    def _split(self, f: _Fetch) -> bool:
+        """Decode this tensor as one job per E chunk? When several workers can share it and its
+        SM bytes are stored raw (each chunk's elements then merge on their own)."""
+        return self.workers > 1 and all(getattr(s.sm_chunk, "codec", None) == "raw" and s.e_chunks for s in f.tensor.segments)
+
+    def _submit_decode(self, f: _Fetch, rank, verify_e: bool, verify_sm: bool, done) -> None:
+        """Queue the decode (and, on the CPU, merge) of ``f``; ``done(f, exc)`` once all of it ran.
+
+        Split, each E chunk is a job of its own (decompress it, then merge its elements with
+        their SM bytes, or copy both to the pinned staging for the device merge), so that the
+        idle workers share one tensor: a miss then waits for about a chunk's decode rather than
+        the whole tensor's. A segment's SM checksum is verified by the job of its first chunk;
+        the tensor is used only when every job succeeded, so nothing computes with bytes whose
+        checksum failed.
+        """
+        if not self._split(f):
+            self.pool.submit(rank, self._whole, f, verify_e, verify_sm, done)
+            return
+        t = f.tensor
+        jobs = [(i, k) for i, seg in enumerate(t.segments) for k in range(len(seg.e_chunks))]
+        latch = _Latch(len(jobs))
+        for i, k in jobs:
+            self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+
+    def _whole(self, f: _Fetch, verify_e: bool, verify_sm: bool, done) -> None:
         try:
             t0 = time.perf_counter()
-            self._decode(f, False, False)
+            self._decode(f, verify_e, verify_sm)
             if self.cuda and self.device_merge:
                 self.rt.counters.add_time("decode", time.perf_counter() - t0)
             done(f, None)
         except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
             done(f, exc)
+
+    def _piece(self, f: _Fetch, i: int, k: int, verify_e: bool, verify_sm: bool, latch, done) -> None:
+        exc = None
+        try:
+            self._decode_chunk(f, i, k, verify_e, verify_sm and k == 0)
+        except BaseException as e:  # noqa: BLE001
+            exc = e
+        last, first_exc = latch.count_down(exc)
+        if last:
+            done(f, first_exc)
+
+    def _decode_chunk(self, f: _Fetch, i: int, k: int, verify_e: bool, verify_sm: bool) -> None:
+        from zipmoe.codecs.exponent import get_codec
+        from zipmoe.kernels.cpu import merge_into
+
+        from .store import verify
+
+        t = f.tensor
+        seg = t.segments[i]
+        c = seg.e_chunks[k]
+        e, sm = f.e_parts[i], f.sm_parts[i]
+        timer = self.rt.counters.add_time
+        t0 = time.perf_counter()
+        if verify_sm:
+            verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
+        base = seg.e_range[0]
+        src = e[c.offset - base : c.offset - base + c.length]
+        if verify_e:
+            verify(c, src, seg.name, k)
+        lo, n = c.raw_offset, c.raw_length
+        ctx = self._ctx()
+        codec = get_codec(c.codec)
+        try:
+            if self.cuda and self.device_merge:
+                dst = seg.dst + lo
+                codec.decompress_into(src, f.exp_host[dst : dst + n], ctx)
+                f.sm_host[dst : dst + n] = sm[lo : lo + n]
+                timer("decode", time.perf_counter() - t0)
+                return
+            exp = ctx.scratch("exp", n)
+            codec.decompress_into(src, exp, ctx)
+        except ContainerError as exc:
+            raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+        t1 = time.perf_counter()
+        target = f.host if self.cuda else f.out
+        out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        merge_into(exp, sm[lo : lo + n], out_u16[seg.dst + lo : seg.dst + lo + n])
+        timer("decode", t1 - t0)
+        timer("merge", time.perf_counter() - t1)
 
     def _read_then_decode(self, f: _Fetch, done, rank):
         try:
@@ -218,21 +309,9 @@ class LayerScheduler:
             need_e = st in (None, "none", "sm_only")
             need_sm = st in (None, "none", "e_only")
             self._read(f, need_e, need_sm)
+            self._submit_decode(f, rank, need_e, need_sm, done)
         except BaseException as exc:  # noqa: BLE001
             done(f, exc)
-            return
-
-        def decode():
-            try:
-                t0 = time.perf_counter()
-                self._decode(f, need_e, need_sm)
-                if self.cuda and self.device_merge:
-                    self.rt.counters.add_time("decode", time.perf_counter() - t0)
-                done(f, None)
-            except BaseException as exc:  # noqa: BLE001
-                done(f, exc)
-
-        self.pool.submit(rank, decode)
 
     # ------------------------------------------------------------------ serving side
     def run(self, layer, experts: list, compute) -> None:
@@ -296,6 +375,12 @@ class LayerScheduler:
                 elif st == "e_only":
                     f.e_parts = cache.get(t.uid)
                 need += rt.working_bytes(t)
+                if st in (None, "none", "sm_only", "e_only"):
+                    # its read buffers, taken now (idle ones first) so that the hold below counts
+                    # them as this fetch's and not as idle
+                    store = rt.store
+                    f.bufs = [store.buffers.get(store.buffer_size(off, ln))
+                              for off, ln in t.ranges(st in (None, "none", "sm_only"), st in (None, "none", "e_only"))]
                 fl.append(f)
             rt.hold(need)
             reserved[e] = need
@@ -320,7 +405,7 @@ class LayerScheduler:
                     continue
                 r = rank[f.tensor.uid]
                 if f.state in ("compressed",):
-                    self.pool.submit(r, self._job, f, done)
+                    self._submit_decode(f, r, False, False, done)
                 else:
                     self.io.submit(r, self._read_then_decode, f, done, r)
 
@@ -361,7 +446,10 @@ class LayerScheduler:
                     counters.add_time("compute", time.perf_counter() - t0)
                     self._admit(fetches[e])
                 rt.release(reserved.pop(e))
-                fetches.pop(e, None)
+                fl = fetches.pop(e, None)
+                bufs = [b for f in fl if f is not None for b in f.bufs] if (fl and not errors) else None
+                if bufs:
+                    rt.recycle(bufs)
                 if not errors:
                     while order and inflight < W:
                         issue(order.popleft())

@@ -20,7 +20,7 @@ from zipmoe.runtime import schedule_model as sm
 from zipmoe.runtime.cache import ExpertCache
 from zipmoe.runtime.counters import Counters
 from zipmoe.runtime.scheduler import LayerScheduler, expert_type, issue_order
-from zipmoe.runtime.store import ExpertTensor, Segment
+from zipmoe.runtime.store import ExpertStore, ExpertTensor, ReadBuffers, Segment
 
 
 class _FakeRuntime:
@@ -33,6 +33,8 @@ class _FakeRuntime:
         self.compute_dtype = torch.bfloat16
         self._held = 0
         self.workers = workers
+        self.store = type("Store", (), {"buffers": ReadBuffers(), "buffer_size": staticmethod(ExpertStore.buffer_size)})()
+        self.recycled = 0
 
     def working_bytes(self, t) -> int:
         return t.full_bytes
@@ -42,6 +44,9 @@ class _FakeRuntime:
 
     def release(self, n):
         self._held -= n
+
+    def recycle(self, bufs):
+        self.recycled += len(bufs)
 
 
 def _tensor(uid, layer, expert, name, numel, e_bytes):
