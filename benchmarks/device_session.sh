@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/device_session.sh start [SECONDS]   install, launch the pipeline, follow it
 #   bash benchmarks/device_session.sh watch [SECONDS]   follow it again (next device call)
+#   PIPELINE=final bash benchmarks/device_session.sh start [SECONDS]   the short pipeline (final())
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -27,7 +28,7 @@ secs=${2:-540}
 
 env_setup() {
     export PYTHONPATH=/tmp/site PATH=/tmp/bin:/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
-        CUBLAS_WORKSPACE_CONFIG=:4096:8 TOKENIZERS_PARALLELISM=false WORK
+        CUBLAS_WORKSPACE_CONFIG=:4096:8 TOKENIZERS_PARALLELISM=false WORK REPO=${REPO:-$(pwd)}
 }
 
 install() {
@@ -76,6 +77,32 @@ pipeline() {
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
+final() {  # the short second session: GPU bit-identity tests, then olmoe at 4G (8G if time is left)
+    env_setup
+    cd $HL
+    local H="bash $HL/headline_gpu.sh"
+    # every engine in its memory cgroup: the GPU VM needs the leaf move (cgroup v2, own cgroup holds processes)
+    export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
+    (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
+        "$REPO/tests/test_kernels_triton.py" > "$WORK/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >> "$WORK/gpu-tests.log") &
+    export BUDGETS="4G" PLAN_PROMPTS=$HL/prompts4.txt
+    step olmoe-synth 300 $H olmoe-synth
+    step olmoe-raw 200 $H olmoe-raw
+    step olmoe-pack 300 $H olmoe-pack
+    wait; tail -5 "$WORK/gpu-tests.log"
+    step olmoe-plan 300 $H olmoe-plan
+    step olmoe-zipmoe 300 $H olmoe-zipmoe
+    step olmoe-unc 300 $H olmoe-unc
+    step olmoe-acc 300 $H olmoe-acc
+    step planner-check 200 python3 -m zipmoe.runtime.planner_check "$WORK/olmoe.zmoe" --plan "$WORK/olmoe-plan-4G.json" \
+        --prompts $HL/prompts4.txt --tokens 12 --device cuda --json-out "$WORK/olmoe-planner-check-4G.json"
+    export BUDGETS="8G"
+    FORCE=1 step olmoe-plan8 300 $H olmoe-plan
+    FORCE=1 step olmoe-zipmoe8 300 $H olmoe-zipmoe
+    FORCE=1 step olmoe-unc8 300 $H olmoe-unc
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
 collect() {
     [ -n "${OUT:-}" ] || return 0
     cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
@@ -90,6 +117,7 @@ follow() {
         if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" $HL/progress.log | cut -c1-300 | grep -v -E '^\s*$' | grep -v -E '━|it/s\]'; seen=$n; fi
         grep -q "PIPELINE DONE" $HL/progress.log 2>/dev/null && break
         sleep 5
+        [ $(( $(date +%s) % 60 )) -lt 5 ] && collect
     done
     collect
 }
@@ -97,8 +125,9 @@ follow() {
 case "$mode" in
     start)
         install || { echo "device_session: install failed"; exit 1; }
-        setsid nohup bash $HL/device_session.sh pipeline > $HL/progress.log 2>&1 < /dev/null &
+        setsid nohup bash $HL/device_session.sh "${PIPELINE:-pipeline}" > $HL/progress.log 2>&1 < /dev/null &
         sleep 2; follow ;;
+    final) final ;;
     pipeline) pipeline ;;
     watch) follow ;;
     *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;
