@@ -117,6 +117,12 @@ def detect(mountinfo: str | None = None, proc_cgroup: str | None = None, probe: 
     for root, point, fstype, opts in _mounts(mountinfo):
         if fstype == "cgroup2" and v2_path is not None:
             folder = _join(root, point, v2_path)
+            parent_sub = _read(folder.parent / "cgroup.subtree_control") or ""
+            if folder.name == LEAF_NAME and "memory" in parent_sub.split():
+                # an earlier --cgroup-move-to-leaf made this layout: engines go beside the leaf,
+                # in its parent (memory on for children, no processes of its own), not one deeper
+                notes.append(f"this process is in {folder} (made by an earlier {MOVE_OPTION}); engine cgroups go beside it")
+                folder = folder.parent
             ctrl = _read(folder / "cgroup.controllers")
             if ctrl is None or "memory" not in ctrl.split():
                 notes.append(f"cgroup v2 at {point}: no memory controller")

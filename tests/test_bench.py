@@ -264,6 +264,21 @@ def test_detect_v2_busy_moves_to_leaf(tmp_path, monkeypatch):
                      f"for children (cgroup v2 no-internal-process rule)"]
 
 
+def test_detect_v2_from_inside_the_leaf_uses_its_parent(tmp_path, monkeypatch):
+    """A second bench run from a process already moved into zipmoe-leaf (seen on the GPU VM:
+    every stage nested one leaf deeper): engine cgroups go beside the leaf, nothing moves."""
+    mounts, own, me, calls = _busy_v2_tree(tmp_path, monkeypatch, [101, 102])
+    assert bench_cgroup.detect(mounts, own, probe=False, move_to_leaf=True).usable
+    leaf = me / "zipmoe-leaf"
+    (leaf / "cgroup.controllers").write_text("cpu memory pids\n")
+    (leaf / "cgroup.subtree_control").write_text("")
+    moves = len(calls["moves"])
+    s = bench_cgroup.detect(mounts, "0::/process_api/abc/zipmoe-leaf\n", probe=False, move_to_leaf=True)
+    assert s.usable and s.parent == str(me), s.reason
+    assert len(calls["moves"]) == moves and not (leaf / "zipmoe-leaf").exists()
+    assert any("engine cgroups go beside it" in n for n in s.notes)
+
+
 def test_detect_v2_move_to_leaf_failures_are_reasons(tmp_path, monkeypatch):
     import errno
 
