@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import shutil
 import time
 from collections import deque
@@ -192,7 +191,10 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
         plans = plan_tensors(r.entries)
         shards = shard_plan(plans, max_shard_bytes)
         total = sum(p.nbytes for p in plans)
-        tmp = parent / f".{out_dir.name}.zipmoe-unpack-{secrets.token_hex(4)}"
+        from .tempfiles import remove_stale, unpack_temp
+
+        remove_stale(parent, out_dir.name)  # what an unpack killed outright left behind
+        tmp = unpack_temp(out_dir, parent)
         try:
             tmp.mkdir()
         except OSError as exc:

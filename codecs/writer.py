@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -108,8 +107,10 @@ class ContainerWriter:
         self._pending_bytes = 0
         self._file_codec = CODECS[_FILE_CODEC]
         self._check_destination()
-        parent = self.out_path.parent
-        self.tmp_path = parent / f".{self.out_path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        from .tempfiles import pack_temp, remove_stale
+
+        self.stale_removed = remove_stale(self.out_path.parent, self.out_path.name)
+        self.tmp_path = pack_temp(self.out_path)
         self._fd: int | None = None
         self._pos = 0
         self._done = False
@@ -374,6 +375,7 @@ class PackSummary:
     fused_tensors: int
     dense_only: bool
     per_role: dict
+    stale_removed: list = field(default_factory=list)  # leftovers of interrupted packs removed first
 
     @property
     def ratio(self) -> float:
@@ -510,4 +512,4 @@ def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.D
         other_stored_bytes=st.other_stored_bytes, seconds=time.perf_counter() - t0,
         num_tensors=len(ckpt.tensors), num_entries=st.entries, num_expert_entries=n_expert_entries,
         num_experts=meta["model"]["num_experts"] if n_expert_entries else None, fused_tensors=fused,
-        dense_only=n_expert_entries == 0, per_role=st.per_role)
+        dense_only=n_expert_entries == 0, per_role=st.per_role, stale_removed=w.stale_removed)

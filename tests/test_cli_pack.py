@@ -251,3 +251,38 @@ def test_no_space_left_during_unpack_leaves_nothing(packed, capsys, monkeypatch)
     assert_one_line_error(code, err, "no space left")
     assert not (packed.parent / "restored").exists()
     assert not [p for p in os.listdir(packed.parent) if "zipmoe-unpack" in p]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftovers_of_a_killed_pack_or_unpack_are_removed_next_time(tmp_path, capsys):
+    """SIGKILL leaves pack's hidden .tmp file (or unpack's folder); the next run for the same
+    output removes those whose process is gone, and only those."""
+    write_mixtral(tmp_path / "src")
+    dead, alive = _dead_pid(), os.getpid()
+    stale = tmp_path / f".m.zmoe.{dead}.0123abcd.tmp"
+    stale.write_bytes(bytes(4096))  # header placeholder: zeros, as a killed pack leaves it
+    running = tmp_path / f".m.zmoe.{alive}.89abcdef.tmp"  # a pack still going: kept
+    running.write_bytes(bytes(4096))
+    foreign = tmp_path / f".m.zmoe.{dead}.deadbeef.tmp"  # not written by pack (has bytes): kept
+    foreign.write_bytes(b"ZMOE\x01" + bytes(100))
+    other = tmp_path / f".n.zmoe.{dead}.0123abcd.tmp"  # another output's: kept
+    other.write_bytes(bytes(10))
+    code, out, err = run(capsys, "pack", tmp_path / "src", "-o", tmp_path / "m.zmoe")
+    assert code == 0, err
+    assert not stale.exists() and running.exists() and foreign.exists() and other.exists()
+    assert f"removed 1 leftover temporary file(s) of an interrupted pack: {stale.name}" in " ".join(out.split())
+    left = tmp_path / f".out.zipmoe-unpack-{dead}-0123abcd"
+    (left / "sub").mkdir(parents=True)
+    (left / "model-00001.safetensors").write_bytes(b"x")
+    code, out, err = run(capsys, "unpack", tmp_path / "m.zmoe", "-o", tmp_path / "out")
+    assert code == 0, err
+    assert not left.exists() and (tmp_path / "out").is_dir()
+    assert not [p for p in os.listdir(tmp_path) if "zipmoe-unpack" in p]

@@ -60,6 +60,9 @@ def pack(
         console.print("[yellow]no expert tensors found: packed as a dense model[/yellow]")
     experts = (f"{s.num_expert_entries} expert tensors ({s.num_experts} experts per layer"
                f"{', from fused tensors' if s.fused_tensors else ''}), " if not s.dense_only else "")
+    if s.stale_removed:
+        con.print(f"  removed {len(s.stale_removed)} leftover temporary file(s) of an interrupted pack: "
+                  f"{', '.join(s.stale_removed)}", style="dim")
     con.print(f"[bold green]packed[/bold green] {path} -> {s.out_path}")
     con.print(f"  {s.num_tensors} source tensors: {experts}{s.num_entries - s.num_expert_entries} dense entries")
     con.print(f"  codec {s.codec}, exponent shards of {format_size(s.shard_size)}, {s.workers} workers")

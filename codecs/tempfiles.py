@@ -1,0 +1,73 @@
+"""Temporary outputs of pack and unpack, and what an interrupted run left behind.
+
+``pack`` writes ``.NAME.PID.HEX.tmp`` beside the output and renames it when complete;
+``unpack`` fills ``.NAME.zipmoe-unpack-PID-HEX/`` and renames it. A run killed outright
+(SIGKILL, power loss) cannot remove them. The next run for the same output removes those
+whose process is gone (:func:`remove_stale`), so that nothing piles up and nothing of a run
+still going is touched. A leftover ``.tmp`` file never holds the container magic (the header is
+written last), so no reader accepts it meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+__all__ = ["pack_temp", "unpack_temp", "remove_stale"]
+
+
+def pack_temp(out_path: Path) -> Path:
+    return out_path.parent / f".{out_path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def unpack_temp(out_dir: Path, parent: Path) -> Path:
+    return parent / f".{out_dir.name}.zipmoe-unpack-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale(parent: Path, out_name: str) -> list[str]:
+    """Remove the temporary outputs for ``out_name`` in ``parent`` whose process has exited;
+    returns their names. Files must also lack the container magic (all-zero first bytes)."""
+    esc = re.escape(out_name)
+    pack_re = re.compile(rf"^\.{esc}\.(\d+)\.[0-9a-f]{{8}}\.tmp$")
+    unpack_re = re.compile(rf"^\.{esc}\.zipmoe-unpack-(\d+)-[0-9a-f]{{8}}$")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pack_re.match(name) or unpack_re.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        p = parent / name
+        try:
+            if m.re is pack_re:
+                if not p.is_file() or p.is_symlink():
+                    continue
+                with open(p, "rb") as f:
+                    if any(f.read(8)):  # not one of ours: a header was written
+                        continue
+                p.unlink()
+            else:
+                if not p.is_dir() or p.is_symlink():
+                    continue
+                shutil.rmtree(p)
+        except OSError:
+            continue
+        removed.append(name)
+    return sorted(removed)
