@@ -5,6 +5,7 @@
 #   bash benchmarks/device_session.sh start [SECONDS]   install, launch the pipeline, follow it
 #   bash benchmarks/device_session.sh watch [SECONDS]   follow it again (next device call)
 #   PIPELINE=final bash benchmarks/device_session.sh start [SECONDS]   the short pipeline (final())
+#   PIPELINE=qwen bash benchmarks/device_session.sh start [SECONDS]    qwen1.5-moe-a2.7b at 8G/16G only
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -103,6 +104,18 @@ final() {  # the short second session: GPU bit-identity tests, then olmoe at 4G 
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
+qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 box: start, then watch)
+    env_setup
+    cd $HL
+    local H="bash $HL/headline_gpu.sh"
+    export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
+    export BUDGETS="8G 16G" PLAN_PROMPTS=$HL/prompts4.txt
+    for s in qwen-synth qwen-raw qwen-unc qwen-acc qwen-rmraw qwen-pack qwen-plan qwen-zipmoe report; do
+        step $s 900 $H $s
+    done
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
 collect() {
     [ -n "${OUT:-}" ] || return 0
     cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
@@ -128,6 +141,7 @@ case "$mode" in
         setsid nohup bash $HL/device_session.sh "${PIPELINE:-pipeline}" > $HL/progress.log 2>&1 < /dev/null &
         sleep 2; follow ;;
     final) final ;;
+    qwen) qwen ;;
     pipeline) pipeline ;;
     watch) follow ;;
     *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;
