@@ -36,6 +36,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process: alive
         return True
+    except OverflowError:  # beyond any pid, so no pack or unpack of ours named it: leave it alone
+        return True
     return True
 
 

@@ -286,3 +286,14 @@ def test_leftovers_of_a_killed_pack_or_unpack_are_removed_next_time(tmp_path, ca
     assert code == 0, err
     assert not left.exists() and (tmp_path / "out").is_dir()
     assert not [p for p in os.listdir(tmp_path) if "zipmoe-unpack" in p]
+
+
+def test_stale_removal_skips_names_whose_pid_is_out_of_range(tmp_path):
+    """A name that looks like a leftover but whose number is no possible pid (os.kill raises
+    OverflowError) is not one of ours: kept, and the pack does not fail on it."""
+    from zipmoe.codecs.tempfiles import remove_stale
+
+    odd = tmp_path / ".m.zmoe.99999999999999999999.0123abcd.tmp"
+    odd.write_bytes(bytes(4096))
+    assert remove_stale(tmp_path, "m.zmoe") == []
+    assert odd.exists()
