@@ -353,6 +353,7 @@ class LayerScheduler:
         fetches: dict[int, list] = {}
         reserved: dict[int, int] = {}
         errors: list = []
+        outstanding: set = set()  # fetches submitted whose done() has not been received
         inflight = 0
 
         def done(f, exc):
@@ -408,6 +409,7 @@ class LayerScheduler:
                     self._submit_decode(f, r, False, False, done)
                 else:
                     self.io.submit(r, self._read_then_decode, f, done, r)
+                outstanding.add(f)  # only once submitted: its done() will come
 
         def weights_of(e):
             ws = []
@@ -416,20 +418,21 @@ class LayerScheduler:
             return ws
 
         W = rt.window
-        while order and inflight < W:
-            issue(order.popleft())
-            inflight += 1
-        # experts whose weights are all whole compute first, while the pipeline loads the rest
-        for e in experts:
-            if expert_type(states[e]) == "full":
-                t0 = time.perf_counter()
-                compute(e, weights_of(e))
-                counters.add_time("compute", time.perf_counter() - t0)
         try:
+            while order and inflight < W:
+                issue(order.popleft())
+                inflight += 1
+            # experts whose weights are all whole compute first, while the pipeline loads the rest
+            for e in experts:
+                if expert_type(states[e]) == "full":
+                    t0 = time.perf_counter()
+                    compute(e, weights_of(e))
+                    counters.add_time("compute", time.perf_counter() - t0)
             while inflight:
                 t0 = time.perf_counter()
                 f, exc = done_q.get()
                 counters.add_time("wait", time.perf_counter() - t0)
+                outstanding.discard(f)
                 e = f.tensor.expert
                 if exc is not None:
                     errors.append(exc)
@@ -455,12 +458,14 @@ class LayerScheduler:
                         issue(order.popleft())
                         inflight += 1
         except BaseException:
-            # Ctrl-C (or an error in compute): let the jobs in flight finish, so that no
-            # thread writes into buffers we drop and the byte accounting stays exact
-            pending = sum(remaining[e] for e in reserved)
-            while pending > 0:
+            # Ctrl-C (or an error in compute), wherever it lands in the layer (also while the
+            # window fills or a fully cached expert computes): let every submitted fetch finish,
+            # so that no thread writes into buffers we drop and the byte accounting stays exact.
+            # Only fetches whose submission completed are waited for: one interrupted while it
+            # was being queued may never report, and waiting for it would hang.
+            while outstanding:
                 f, _ = done_q.get()
-                pending -= 1
+                outstanding.discard(f)
             for e in list(reserved):
                 rt.release(reserved.pop(e))
             raise

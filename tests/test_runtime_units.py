@@ -313,3 +313,44 @@ def test_chunk_jobs_and_reused_read_buffers_stay_bit_identical(tmp_path_factory)
         assert rt.counters.peak_held_bytes <= budget
         assert rt._inflight == 0
         rt.close()
+
+
+def test_ctrl_c_while_a_cached_expert_computes_waits_for_the_fetches_in_flight(tmp_path_factory):
+    """Fully cached experts compute while the others load: a Ctrl-C there must still let the
+    fetches in flight finish and release their bytes (it used to skip that and leak them)."""
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=2)
+    rt = model.zipmoe
+    sched = rt.scheduler
+    run = sched.run
+    hit = {"n": 0}
+
+    def run_interrupting(layer, experts, compute):
+        def first_compute_interrupts(e, weights):
+            cached = all(rt.cache.state_of(t.uid) == "full" for t in rt.expert_tensors[(layer, e)])
+            if cached and rt._inflight > 0 and hit["n"] == 0:  # a cached expert, fetches in flight
+                hit["n"] += 1
+                raise KeyboardInterrupt
+            return compute(e, weights)
+
+        return run(layer, experts, first_compute_interrupts)
+
+    sched.run = run_interrupting
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    ref = reference(src)
+    for seed in range(20):
+        batch = inputs(vocab, False, batch=4, seed=seed)
+        try:
+            with torch.no_grad():
+                model(**batch)
+        except KeyboardInterrupt:
+            break
+    assert hit["n"] == 1, "no layer computed a cached expert while a fetch was in flight"
+    assert rt._inflight == 0 and not rt.cache.pinned
+    sched.run = run
+    batch = inputs(vocab, False, batch=4, seed=7)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    assert rt._inflight == 0
+    rt.close()
