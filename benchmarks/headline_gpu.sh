@@ -64,6 +64,11 @@ need_gib() {  # need_gib N what: stop with a clear line when the disk has less t
     local f; f=$(free_gib)
     if [ "$f" -lt "$1" ]; then echo "headline: only ${f} GiB free in $WORK, $2 needs ${1} GiB" >&2; exit 3; fi
 }
+profile_arg() {  # once plan measured the disk: every engine's I/O floor from that same figure
+    # (a --profile would not do for the raw container: the profile belongs to the zstd one)
+    [ -e "$WORK/$1-profile.json" ] || return 0
+    python3 -c "import json, sys; print('--disk-bw', int(json.load(open(sys.argv[1]))['costs']['disk_bw']))" "$WORK/$1-profile.json"
+}
 budget_args() { local a=""; for b in $BUDGETS; do a="$a --budget $b"; done; echo "$a"; }
 
 # ---- model-generic stages: $1 = tag, $2 = family, $3 = preset, $4 = GiB of bf16
@@ -95,7 +100,7 @@ bench_unc() {  # uncompressed, one bench per budget, against the raw container
         is_done "$tag-unc-$b" && continue
         say "$tag: bench uncompressed at $b"
         # FILE is the raw container here (the zstd one does not exist yet): --engine picks the engine
-        "$ZIPMOE" bench "$WORK/$tag-raw.zmoe" --engine uncompressed $BENCH_EXTRA --budget "$b" \
+        "$ZIPMOE" bench "$WORK/$tag-raw.zmoe" --engine uncompressed $BENCH_EXTRA $(profile_arg $tag) --budget "$b" \
             --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" --time-limit "$TIME_LIMIT" \
             --raw-container "$WORK/$tag-raw.zmoe" --work-dir "$WORK/$tag-work" \
             --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-unc-$b.log"
@@ -107,7 +112,7 @@ bench_res() {  # resident: every weight on the device, no budget (the ceiling, a
     is_done "$tag-res" && return
     file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
     say "$tag: bench resident"
-    "$ZIPMOE" bench "$file" --engine resident $BENCH_EXTRA --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
+    "$ZIPMOE" bench "$file" --engine resident $BENCH_EXTRA $(profile_arg $tag) --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
         --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-res.log"
     done_mark "$tag-res"
 }
@@ -116,7 +121,7 @@ bench_acc() {  # accelerate at one budget (slow: seconds per token)
     is_done "$tag-acc-$budget" && return
     file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
     say "$tag: bench accelerate at $budget (time limit ${ACC_TIME_LIMIT}s per run)"
-    "$ZIPMOE" bench "$file" --engine accelerate $BENCH_EXTRA --budget "$budget" \
+    "$ZIPMOE" bench "$file" --engine accelerate $BENCH_EXTRA $(profile_arg $tag) --budget "$budget" \
         --batch "$BATCH" --new-tokens "$TOKENS" --runs "$ACC_RUNS" --cold --device "$DEVICE" --time-limit "$ACC_TIME_LIMIT" \
         --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge 2>&1 | tee "$WORK/logs/$tag-acc-$budget.log"
     du -sh "$WORK/$tag-work/offload" 2>/dev/null || true
