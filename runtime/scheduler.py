@@ -53,7 +53,7 @@ import torch
 from zipmoe.errors import ContainerError
 
 from .schedule_model import Task, order as priority_order
-from .store import ExpertTensor, decode_exp_into, decode_into, slice_of
+from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, verify
 
 __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers"]
 
@@ -205,8 +205,6 @@ class LayerScheduler:
             decode_exp_into(t, f.e_parts, f.exp_host, ctx, verify_e)
             from zipmoe.codecs.exponent import get_codec
 
-            from .store import verify
-
             for seg, sm in zip(t.segments, f.sm_parts):
                 if verify_sm:
                     verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
@@ -265,41 +263,28 @@ class LayerScheduler:
             done(f, first_exc)
 
     def _decode_chunk(self, f: _Fetch, i: int, k: int, verify_e: bool, verify_sm: bool) -> None:
-        from zipmoe.codecs.exponent import get_codec
         from zipmoe.kernels.cpu import merge_into
 
-        from .store import verify
-
-        t = f.tensor
-        seg = t.segments[i]
+        seg = f.tensor.segments[i]
         c = seg.e_chunks[k]
-        e, sm = f.e_parts[i], f.sm_parts[i]
+        sm = f.sm_parts[i]
         timer = self.rt.counters.add_time
         t0 = time.perf_counter()
         if verify_sm:
             verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
-        base = seg.e_range[0]
-        src = e[c.offset - base : c.offset - base + c.length]
-        if verify_e:
-            verify(c, src, seg.name, k)
         lo, n = c.raw_offset, c.raw_length
-        ctx = self._ctx()
-        codec = get_codec(c.codec)
-        try:
-            if self.cuda and self.device_merge:
-                dst = seg.dst + lo
-                codec.decompress_into(src, f.exp_host[dst : dst + n], ctx)
-                f.sm_host[dst : dst + n] = sm[lo : lo + n]
-                timer("decode", time.perf_counter() - t0)
-                return
-            exp = ctx.scratch("exp", n)
-            codec.decompress_into(src, exp, ctx)
-        except ContainerError as exc:
-            raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+        dst = seg.dst + lo
+        if self.cuda and self.device_merge:
+            decode_e_chunk(seg, k, f.e_parts[i], f.exp_host[dst : dst + n], self._ctx(), verify_e)
+            f.sm_host[dst : dst + n] = sm[lo : lo + n]
+            timer("decode", time.perf_counter() - t0)
+            return
+        exp = self._ctx().scratch("exp", n)
+        decode_e_chunk(seg, k, f.e_parts[i], exp, self._ctx(), verify_e)
         t1 = time.perf_counter()
         target = f.host if self.cuda else f.out
         out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-        merge_into(exp, sm[lo : lo + n], out_u16[seg.dst + lo : seg.dst + lo + n])
+        merge_into(exp, sm[lo : lo + n], out_u16[dst : dst + n])
         timer("decode", t1 - t0)
         timer("merge", time.perf_counter() - t1)
 

@@ -412,19 +412,26 @@ def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np
             timer("merge", t2 - t1)
 
 
-def _decode_e_chunks(seg, e, exp, ctx, verify_e: bool) -> None:
-    """Decompress one segment's E chunks (``e``: its stored E bytes) into ``exp`` (numel bytes)."""
+def decode_e_chunk(seg, k: int, e, dst: np.ndarray, ctx, verify_e: bool) -> None:
+    """Decompress E chunk ``k`` of segment ``seg`` (``e``: the segment's stored E bytes) into
+    ``dst`` (its ``raw_length`` bytes), verifying its checksum first when ``verify_e``."""
     from zipmoe.codecs.exponent import get_codec
 
+    c = seg.e_chunks[k]
     base = seg.e_range[0]
+    src = e[c.offset - base : c.offset - base + c.length]
+    if verify_e:
+        verify(c, src, seg.name, k)
+    try:
+        get_codec(c.codec).decompress_into(src, dst, ctx)
+    except ContainerError as exc:
+        raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+
+
+def _decode_e_chunks(seg, e, exp, ctx, verify_e: bool) -> None:
+    """Decompress one segment's E chunks (``e``: its stored E bytes) into ``exp`` (numel bytes)."""
     for k, c in enumerate(seg.e_chunks):
-        src = e[c.offset - base : c.offset - base + c.length]
-        if verify_e:
-            verify(c, src, seg.name, k)
-        try:
-            get_codec(c.codec).decompress_into(src, exp[c.raw_offset : c.raw_offset + c.raw_length], ctx)
-        except ContainerError as exc:
-            raise ContainerError(f"tensor {seg.name} chunk {k}: {exc}") from None
+        decode_e_chunk(seg, k, e, exp[c.raw_offset : c.raw_offset + c.raw_length], ctx, verify_e)
 
 
 def decode_exp_into(tensor: ExpertTensor, e_parts: list, exp_out: np.ndarray, ctx, verify_e: bool) -> None:
