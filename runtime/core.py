@@ -35,7 +35,6 @@ import time
 import weakref
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from zipmoe.errors import BudgetError, ModelError, UsageError
@@ -258,13 +257,13 @@ class Runtime:
                     return n
                 from zipmoe.codecs.exponent import DecodeContext
 
-                from .store import decode_into, slice_of
+                from .store import decode_into, slice_of, u16_view
 
                 bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
                 e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
                 sm_parts = [slice_of(bufs, s.sm_range) for s in t.segments]
                 host = torch.empty(t.shape, dtype=torch.bfloat16)
-                decode_into(t, e_parts, sm_parts, host.view(torch.int16).numpy().view(np.uint16).reshape(-1),
+                decode_into(t, e_parts, sm_parts, u16_view(host),
                             DecodeContext(), True, True)
                 out = host.to(device=self.device, dtype=self.compute_dtype)
                 self.cache.put(t.uid, "full", t.compute_bytes, out)

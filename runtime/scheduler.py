@@ -53,7 +53,7 @@ import torch
 from zipmoe.errors import ContainerError
 
 from .schedule_model import Task, order as priority_order
-from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, verify
+from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, u16_view, verify
 
 __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers"]
 
@@ -214,8 +214,7 @@ class LayerScheduler:
                 else:
                     get_codec(seg.sm_chunk.codec).decompress_into(sm, dst, ctx)
             return
-        target = f.host if self.cuda else f.out
-        out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        out_u16 = u16_view(f.host if self.cuda else f.out)
         decode_into(t, f.e_parts, f.sm_parts, out_u16, ctx, verify_e, verify_sm, timer)
 
     def _split(self, f: _Fetch) -> bool:
@@ -282,8 +281,7 @@ class LayerScheduler:
         exp = self._ctx().scratch("exp", n)
         decode_e_chunk(seg, k, f.e_parts[i], exp, self._ctx(), verify_e)
         t1 = time.perf_counter()
-        target = f.host if self.cuda else f.out
-        out_u16 = target.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        out_u16 = u16_view(f.host if self.cuda else f.out)
         merge_into(exp, sm[lo : lo + n], out_u16[dst : dst + n])
         timer("decode", t1 - t0)
         timer("merge", time.perf_counter() - t1)

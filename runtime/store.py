@@ -39,7 +39,7 @@ import xxhash
 
 from zipmoe.errors import ChecksumError, ContainerError, ModelError
 
-__all__ = ["Segment", "ExpertTensor", "ExpertStore", "build_expert_tensors", "decode_into", "ALIGN"]
+__all__ = ["Segment", "ExpertTensor", "ExpertStore", "build_expert_tensors", "decode_into", "u16_view", "ALIGN"]
 
 ALIGN = 4096
 _REUSE_SLACK_MIN = 2 * ALIGN  # so that a reused buffer rounded up to pages still fits (see ReadBuffers.get)
@@ -410,6 +410,13 @@ def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np
         if timer is not None:
             timer("decode", t1 - t0)
             timer("merge", t2 - t1)
+
+
+def u16_view(t) -> np.ndarray:
+    """A contiguous bf16 torch tensor's bits as a flat uint16 array (no copy): what decoders write."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
 def decode_e_chunk(seg, k: int, e, dst: np.ndarray, ctx, verify_e: bool) -> None:
