@@ -60,6 +60,11 @@ __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers"]
 _NEEDS_SM_READ = ("none", "e_only")
 
 
+def _reads_of(state) -> tuple[bool, bool]:
+    """(read E?, read SM?) for a tensor fetched from this cache state."""
+    return state in (None, "none", "sm_only"), state in (None, "none", "e_only")
+
+
 def expert_type(states: list) -> str:
     """``full`` when every tensor is whole, ``I`` when one must read its SM chunk, else ``II``."""
     if all(s == "full" for s in states):
@@ -120,7 +125,7 @@ class PriorityWorkers:
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs")
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs", "ranges")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
@@ -133,6 +138,7 @@ class _Fetch:
         self.sm_host = None
         self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
         self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
+        self.ranges: list = []  # the file ranges it reads (coalesced), one buffer each
         self.bufs: list = []  # the aligned read buffers (store.buffers) behind e_parts / sm_parts
 
 
@@ -189,9 +195,9 @@ class LayerScheduler:
         t = f.tensor
         wanted = [r for s in t.segments for r, need in ((s.e_range, need_e), (s.sm_range, need_sm)) if need]
         bufs = []
-        for i, (off, ln) in enumerate(t.ranges(need_e, need_sm)):
+        for (off, ln), buf in zip(f.ranges, f.bufs):
             payload = sum(r[1] for r in wanted if off <= r[0] < off + ln)
-            bufs.append((off, self.rt.store.read(off, ln, payload, buf=f.bufs[i] if i < len(f.bufs) else None)))
+            bufs.append((off, self.rt.store.read(off, ln, payload, buf=buf)))
         if need_e:
             f.e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
         if need_sm:
@@ -288,9 +294,7 @@ class LayerScheduler:
 
     def _read_then_decode(self, f: _Fetch, done, rank):
         try:
-            st = f.state
-            need_e = st in (None, "none", "sm_only")
-            need_sm = st in (None, "none", "e_only")
+            need_e, need_sm = _reads_of(f.state)
             self._read(f, need_e, need_sm)
             self._submit_decode(f, rank, need_e, need_sm, done)
         except BaseException as exc:  # noqa: BLE001
@@ -360,11 +364,11 @@ class LayerScheduler:
                     f.e_parts = cache.get(t.uid)
                 need += rt.working_bytes(t)
                 if st in (None, "none", "sm_only", "e_only"):
-                    # its read buffers, taken now (idle ones first) so that the hold below counts
-                    # them as this fetch's and not as idle
+                    # what it reads, and its read buffers, taken now (idle ones first) so that
+                    # the hold below counts them as this fetch's and not as idle
                     store = rt.store
-                    f.bufs = [store.buffers.get(store.buffer_size(off, ln))
-                              for off, ln in t.ranges(st in (None, "none", "sm_only"), st in (None, "none", "e_only"))]
+                    f.ranges = t.ranges(*_reads_of(st))
+                    f.bufs = [store.buffers.get(store.buffer_size(off, ln)) for off, ln in f.ranges]
                 fl.append(f)
             rt.hold(need)
             reserved[e] = need
