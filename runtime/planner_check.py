@@ -135,9 +135,30 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of one line per plan")
     ap.add_argument("--json-out", default=None, help="also write the rows here, rewritten after every plan")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     a = ap.parse_args(argv)
+    try:
+        return _check(a)
+    except Exception as exc:  # one line, as the CLI does; the traceback with --debug
+        if a.debug:
+            raise
+        from zipmoe.errors import ZipmoeError
+
+        msg = str(exc) if isinstance(exc, (ZipmoeError, ValueError)) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, OSError) and exc.filename:
+            msg = f"{exc.filename}: {exc.strerror}"
+        print(f"planner_check: error: {msg}", file=sys.stderr)
+        return 2 if isinstance(exc, (OSError, ValueError, KeyError)) else 1
+
+
+def _check(a) -> int:
     with open(a.plan, encoding="utf-8") as f:
-        plan = json.load(f)
+        try:
+            plan = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{a.plan} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(plan, dict) or "budget" not in plan or "pools" not in plan:
+        raise ValueError(f"{a.plan} is not a plan.json from `zipmoe plan`")
     prompts = _prompts(a.prompts)
     plans = [("chosen", plan)]
     if a.alternatives:

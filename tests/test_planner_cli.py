@@ -246,3 +246,18 @@ def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp
         assert sum(r["measured_hits"].values()) == pytest.approx(2.0)  # top-2 of 8 experts per layer
         assert r["steps"] == 2 * (4 - 1)  # per prompt: the gaps between its 4 tokens (the prefill excluded)
         assert f"{r['plan']:16s} TPOT predicted" in printed
+
+
+def test_planner_check_bad_input_is_one_line(container, tmp_path, capsys):
+    from zipmoe.runtime import planner_check
+
+    path, _ = container
+    bad = tmp_path / "bad.json"
+    for content, needle in (("nope", "is not JSON"), ("{}", "is not a plan.json")):
+        bad.write_text(content)
+        assert planner_check.main([str(path), "--plan", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("planner_check: error: ") and needle in err[0]
+    assert planner_check.main([str(path), "--plan", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No such file" in err[0]
