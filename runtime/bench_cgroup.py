@@ -199,35 +199,43 @@ def move_procs_to_leaf(folder: Path, leaf_name: str = LEAF_NAME, passes: int = 5
     return len(moved), None
 
 
+def _enable_memory(folder: Path, move_to_leaf: bool, notes: list[str] | None) -> str | None:
+    """Switch the v2 memory controller on for ``folder``'s children (moving its processes into
+    a leaf first when the kernel refuses with EBUSY and ``move_to_leaf``); None or why not."""
+    try:
+        _enable_memory_for_children(folder)
+        return None
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            return f"cannot enable the memory controller for children ({exc.strerror or exc})"
+        if not move_to_leaf:
+            return (f"cannot enable the memory controller for children ({exc.strerror or exc}; the own cgroup holds "
+                    f"processes; {MOVE_OPTION} moves them into a leaf child {LEAF_NAME}, as container runtimes do)")
+    moved, err = move_procs_to_leaf(folder)
+    if err is not None:
+        return (f"cannot enable the memory controller for children: the own cgroup holds processes and moving them "
+                f"into {folder / LEAF_NAME} failed part way ({moved} moved, they stay there): {err}")
+    try:
+        _enable_memory_for_children(folder)
+    except OSError as exc2:
+        return (f"cannot enable the memory controller for children even after moving {moved} processes into "
+                f"{folder / LEAF_NAME} ({exc2.strerror or exc2})")
+    if notes is not None:
+        notes.append(f"moved {moved} processes of {folder} into {folder / LEAF_NAME} so that the memory controller "
+                     f"could be enabled for children (cgroup v2 no-internal-process rule)")
+    return None
+
+
 def _usable(version: int, folder: Path, probe: bool, move_to_leaf: bool = False, notes: list[str] | None = None) -> str | None:
     """None when a child with a memory limit can be made under ``folder``, else why not."""
     if not folder.is_dir():
         return "own cgroup folder is not visible"
     if not os.access(folder, os.W_OK):
         return "not writable (run as root, or in a container with a writable cgroup)"
-    if version == 2:
-        sub = _read(folder / "cgroup.subtree_control") or ""
-        if "memory" not in sub.split():
-            try:
-                _enable_memory_for_children(folder)
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    return f"cannot enable the memory controller for children ({exc.strerror or exc})"
-                if not move_to_leaf:
-                    return (f"cannot enable the memory controller for children ({exc.strerror or exc}; the own cgroup holds "
-                            f"processes; {MOVE_OPTION} moves them into a leaf child {LEAF_NAME}, as container runtimes do)")
-                moved, err = move_procs_to_leaf(folder)
-                if err is not None:
-                    return (f"cannot enable the memory controller for children: the own cgroup holds processes and moving them "
-                            f"into {folder / LEAF_NAME} failed part way ({moved} moved, they stay there): {err}")
-                try:
-                    _enable_memory_for_children(folder)
-                except OSError as exc2:
-                    return (f"cannot enable the memory controller for children even after moving {moved} processes into "
-                            f"{folder / LEAF_NAME} ({exc2.strerror or exc2})")
-                if notes is not None:
-                    notes.append(f"moved {moved} processes of {folder} into {folder / LEAF_NAME} so that the memory controller "
-                                 f"could be enabled for children (cgroup v2 no-internal-process rule)")
+    if version == 2 and "memory" not in (_read(folder / "cgroup.subtree_control") or "").split():
+        why = _enable_memory(folder, move_to_leaf, notes)
+        if why is not None:
+            return why
     if not probe:
         return None
     test = folder / f"zipmoe-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
