@@ -5,7 +5,7 @@
 #   bash benchmarks/device_session.sh start [SECONDS]   install, launch the pipeline, follow it
 #   bash benchmarks/device_session.sh watch [SECONDS]   follow it again (next device call)
 #   PIPELINE=final bash benchmarks/device_session.sh start [SECONDS]   the short pipeline (final())
-#   PIPELINE=qwen bash benchmarks/device_session.sh start [SECONDS]    qwen1.5-moe-a2.7b at 8G/16G only
+#   PIPELINE=qwen bash benchmarks/device_session.sh start [SECONDS]    GPU tests, qwen1.5-moe-a2.7b at 8G/16G, planner check
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -110,9 +110,16 @@ qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 b
     local H="bash $HL/headline_gpu.sh"
     export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
     export BUDGETS="8G 16G" PLAN_PROMPTS=$HL/prompts4.txt
+    # the GPU bit-identity tests of the current code, beside the (disk-bound) synth
+    (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
+        "$REPO/tests/test_kernels_triton.py" > "$WORK/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >> "$WORK/gpu-tests.log") &
     for s in qwen-synth qwen-raw qwen-unc qwen-acc qwen-rmraw qwen-pack qwen-plan qwen-zipmoe report; do
         step $s 900 $H $s
+        [ "$s" = qwen-synth ] && { wait; tail -3 "$WORK/gpu-tests.log"; }
     done
+    # issue 5 on a second model: the 8G plan's predicted TPOT against the measured one
+    step planner-check 300 python3 -m zipmoe.runtime.planner_check "$WORK/qwen.zmoe" --plan "$WORK/qwen-plan-8G.json" \
+        --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --json-out "$WORK/qwen-planner-check-8G.json"
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
@@ -120,7 +127,7 @@ collect() {
     [ -n "${OUT:-}" ] || return 0
     cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
     (cd "$WORK" 2>/dev/null && tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.zmoe' --exclude='*-src' \
-        --exclude='offload' --exclude='tokenizer' --exclude='source' ./*.json logs ./*-work/*.log ./*-work/*.jsonl 2>/dev/null)
+        --exclude='offload' --exclude='tokenizer' --exclude='source' ./*.json ./*.log logs ./*-work/*.log ./*-work/*.jsonl 2>/dev/null)
 }
 
 follow() {
