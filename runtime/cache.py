@@ -22,8 +22,18 @@ room, or can make room by evicting tensors used *strictly less often* (victims i
 count, then least recent use first) that are not pinned by the layer being computed. At equal
 counts the tensor already cached stays: admitting on ties would turn the policy into LRU,
 which thrashes when a forward step touches more tensors than a pool holds (every step evicts
-what the next step needs). Evicted tensors are dropped (their state becomes none). So each
-pool converges to the most frequently used tensors it can hold.
+what the next step needs).
+
+Evicted tensors go down where they can (the *cascade*): a tensor evicted from the compressed
+pool still holds its SM and E bytes, so it is offered, on the same terms as any offer, to the
+SM-only and E-only pools with the part each keeps (``demote``, given by the runtime, which
+knows what a pool's data is). Other evicted tensors are dropped (their state becomes none):
+the full pool's bf16 tensor is not the stored bytes. Without the cascade, the lower pools fill
+with whatever first found room there, and a tensor pushed out of the compressed pool by a
+hotter one became a miss although the E-only pool below had room for its E bytes; with it, the
+pools approach the planner's picture (hottest tensors in the first pool, the next ones in the
+next), as measured in docs/benchmarks.md section 7. So each pool converges to the most
+frequently used tensors it can hold.
 """
 
 from __future__ import annotations
@@ -49,8 +59,13 @@ class Pool:
 
 
 class ExpertCache:
-    def __init__(self, capacities: dict, on_change=None) -> None:
+    def __init__(self, capacities: dict, on_change=None, demote=None) -> None:
+        """``demote(pool_name, data)``: the forms ``{lower_pool: (nbytes, data)}`` a tensor evicted
+        from ``pool_name`` keeps (the cascade); None or ``{}`` drops it. Without it, evicted
+        tensors are dropped."""
         self.pools = {name: Pool(name, capacities.get(name, 0)) for name in POOLS}
+        self.demote = demote  # None: no cascade (planner_check --no-cascade)
+        self.demotions = 0  # evicted tensors that went to a lower pool
         self.state: dict[int, str] = {}
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
@@ -138,8 +153,10 @@ class ExpertCache:
                 continue
             pool = self.pools[name]
             need = nbytes - (pool.capacity - pool.used)
+            evicted = []
             if need > 0:
                 for victim, vbytes in list(self._victims(pool, self._prio(uid)[0])):
+                    evicted.append((victim, pool.items[victim][1]))
                     self._remove(victim)
                     need -= vbytes
                     if need <= 0:
@@ -153,10 +170,21 @@ class ExpertCache:
             self.state[uid] = name
             heapq.heappush(pool._heap, (*self._prio(uid), uid))
             self._compact(pool)
+            for victim, vdata in evicted:
+                self._cascade(victim, name, vdata)
             if self._on_change is not None:
                 self._on_change()
             return name
         return cur
+
+    def _cascade(self, uid: int, from_pool: str, data) -> None:
+        """Offer a tensor just evicted from ``from_pool`` to the pools below it, with what it keeps."""
+        if self.demote is None:
+            return
+        below = POOLS[POOLS.index(from_pool) + 1 :]
+        forms = {k: v for k, v in (self.demote(from_pool, data) or {}).items() if k in below}
+        if forms and self.offer(uid, forms) is not None:
+            self.demotions += 1
 
     def put(self, uid: int, pool_name: str, nbytes: int, data) -> bool:
         """Place without competing (warm start): only if it fits in the free space."""

@@ -42,7 +42,7 @@ from zipmoe.units import format_size
 
 from .cache import POOLS, ExpertCache
 from .counters import Counters
-from .scheduler import LayerScheduler
+from .scheduler import LayerScheduler, demote
 from .store import ExpertStore
 from .trace import TraceWriter
 
@@ -168,7 +168,7 @@ class Runtime:
                 caps = {k: int(pool_bytes * f) for k, f in DEFAULT_SPLIT.items()}
             self.split_source = "default"
         self.pools = caps
-        self.cache = ExpertCache(caps)
+        self.cache = ExpertCache(caps, demote=demote)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
         self.scheduler = LayerScheduler(self, self.workers)
         # threads and file descriptors go when the model is garbage collected, if close() was not called

@@ -55,7 +55,7 @@ from zipmoe.errors import ContainerError
 from .schedule_model import Task, order as priority_order
 from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, u16_view, verify
 
-__all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers"]
+__all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers", "demote"]
 
 _NEEDS_SM_READ = ("none", "e_only")
 
@@ -508,6 +508,16 @@ class LayerScheduler:
                 forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
             cache.offer(t.uid, forms)
             f.out = f.w = None
+
+
+def demote(pool_name: str, data):
+    """What an expert tensor evicted from ``pool_name`` keeps, for the cache's cascade: the
+    compressed pool's data is ``(E parts, SM parts)`` (``_admit``), each of which is the data of
+    the E-only and SM-only pools. The other pools' data keeps nothing a lower pool holds."""
+    if pool_name != "compressed":
+        return None
+    e_parts, sm_parts = data
+    return {"sm_only": (sum(p.nbytes for p in sm_parts), sm_parts), "e_only": (sum(p.nbytes for p in e_parts), e_parts)}
 
 
 def _own(parts: list) -> list:

@@ -46,6 +46,41 @@ def test_cache_admits_more_frequent_only_and_keeps_one_state():
     assert c.used_bytes() == 100
 
 
+def test_cache_cascade_moves_a_compressed_victim_down_with_what_it_keeps():
+    from zipmoe.runtime.scheduler import demote
+
+    def parts(n, v):
+        return [np.full(n, v, np.uint8)]
+
+    caps = {"compressed": 100, "sm_only": 0, "e_only": 40}
+    for cascade in (False, True):
+        c = ExpertCache(caps, demote=demote if cascade else None)
+        c.touch(1)
+        e1, s1 = parts(20, 1), parts(70, 2)
+        assert c.offer(1, {"compressed": (90, (e1, s1))}) == "compressed"
+        for _ in range(2):
+            c.touch(2)  # hotter: evicts 1 from the compressed pool
+        assert c.offer(2, {"compressed": (90, (parts(20, 3), parts(70, 4)))}) == "compressed"
+        if not cascade:
+            assert c.state_of(1) is None and c.demotions == 0
+            continue
+        # 1 keeps its E bytes in the E-only pool (the SM-only pool has no room), the same arrays
+        assert c.state_of(1) == "e_only" and c.get(1) is e1 and c.demotions == 1
+        assert c.pools["e_only"].used == 20 and c.pools["compressed"].used == 90
+        # a colder victim cannot push a hotter tensor out of the lower pool
+        c.touch(3)
+        c.offer(3, {"e_only": (10, parts(10, 5))})  # fits beside 1
+        for _ in range(5):
+            c.touch(4)
+        c.touch(1)
+        c.touch(1)  # 1 now used twice (once more than 3)
+        assert c.offer(4, {"compressed": (90, (parts(25, 6), parts(65, 7)))}) == "compressed"
+        # 2 (used twice) was evicted; the E-only pool has 10 bytes free beside 1 (used three
+        # times) and 3 (once): 2 pushes 3 out (used less), not 1
+        assert c.state_of(2) == "e_only" and c.state_of(1) == "e_only" and c.state_of(3) is None
+        assert c.pools["e_only"].used == 40 and c.demotions == 2
+
+
 def test_cache_ties_go_to_the_least_recent():
     c = ExpertCache({"full": 100})
     for uid in (1, 2):
