@@ -2,6 +2,7 @@
 
     python -m zipmoe.runtime.planner_check M.zmoe --plan plan.json [--prompts builtin|FILE]
         [--tokens 32] [--alternatives] [--json] [--json-out FILE] [--workers N] [--device cpu]
+        [--no-cascade]
 
 For each plan (the chosen one, and with ``--alternatives`` every single-pool plan recorded in
 plan.json's ``alternatives``), the model is loaded with the plan's budget and pools, the
@@ -10,7 +11,9 @@ experts), then served again greedily while the decode steps are timed (a streame
 token; the prefill is excluded) and the runtime's counters are read. Printed per plan:
 predicted and measured time per output token (median decode step; also the 10th percentile,
 the least disturbed by other processes on a shared machine), their ratio, and the
-expected vs measured experts per token per layer in each state.
+expected vs measured experts per token per layer in each state. ``--no-cascade`` measures with
+the cache's cascade off (tensors evicted from the compressed pool are dropped instead of kept
+in the pools below: the policy before 2026-11-30), for the ablation in docs/benchmarks.md.
 
 Use the same prompts as the trace the plan was made from (``zipmoe plan --calibrate builtin``
 and ``--prompts builtin`` here), so that the activation statistics match.
@@ -39,7 +42,7 @@ def _prompts(arg: str) -> list[str]:
 
 
 def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers: int | None = None,
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", cascade: bool = True) -> dict:
     """Serve ``prompts`` under ``plan`` (a plan.json dict); measured TPOT, hits, layer makespans."""
     import torch
 
@@ -56,6 +59,8 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan, workers=workers,
                              threads=default_threads(workers), **load_kwargs(plan.get("dtype", "bfloat16")))
     rt = model.zipmoe
+    if not cascade:
+        rt.cache.demote = None
     units = max(1, len(next(iter(rt.expert_tensors.values()))))
 
     def encode(p):
@@ -133,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alternatives", action="store_true")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-cascade", action="store_true", help="drop tensors evicted from the compressed pool (ablation)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of one line per plan")
     ap.add_argument("--json-out", default=None, help="also write the rows here, rewritten after every plan")
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -170,8 +176,8 @@ def _check(a) -> int:
                                  "expected_layer_makespan_s": alt["expected_layer_makespan_s"]}))
     rows = []
     for name, p in plans:
-        m = measure_plan(a.container, p, prompts, a.tokens, a.workers, a.device)
-        rows.append({"plan": name, "pools": p["pools"], "predicted_tpot_s": p["expected_tpot_s"],
+        m = measure_plan(a.container, p, prompts, a.tokens, a.workers, a.device, cascade=not a.no_cascade)
+        rows.append({"plan": name, "cascade": not a.no_cascade, "pools": p["pools"], "predicted_tpot_s": p["expected_tpot_s"],
                      "measured_tpot_s": m["tpot_s"], "measured_tpot_p10_s": m["tpot_p10_s"],
                      "ratio": m["tpot_s"] / p["expected_tpot_s"],
                      "predicted_layer_s": p["expected_layer_makespan_s"], "measured_layer_s": m["layer_makespan_s"],
@@ -184,7 +190,8 @@ def _check(a) -> int:
             hits = lambda h: "·".join(f"{h[s]:.2f}" for s in STATES)  # noqa: E731
             print(f"{name:16s} TPOT predicted {1e3 * r['predicted_tpot_s']:7.2f} ms  measured {1e3 * r['measured_tpot_s']:7.2f} ms"
                   f"  ({r['ratio']:.2f}x; p10 {1e3 * r['measured_tpot_p10_s']:.2f} ms)  layer {1e3 * r['predicted_layer_s']:.2f}/{1e3 * r['measured_layer_s']:.2f} ms"
-                  f"  experts F·C·S·E·miss predicted {hits(r['predicted_hits'])} measured {hits(r['measured_hits'])}",
+                  f"  experts F·C·S·E·miss predicted {hits(r['predicted_hits'])} measured {hits(r['measured_hits'])}"
+                  + ("" if r["cascade"] else "  (no cascade)"),
                   flush=True)
     if a.json:
         json.dump(rows, sys.stdout, indent=2)

@@ -246,6 +246,12 @@ def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp
         assert sum(r["measured_hits"].values()) == pytest.approx(2.0)  # top-2 of 8 experts per layer
         assert r["steps"] == 2 * (4 - 1)  # per prompt: the gaps between its 4 tokens (the prefill excluded)
         assert f"{r['plan']:16s} TPOT predicted" in printed
+        assert r["cascade"] is True and "(no cascade)" not in printed
+    # the ablation: the same plan with the cache's cascade off, marked as such
+    assert planner_check.main([str(path), "--plan", str(plan_path), "--prompts", str(prompts), "--tokens", "4",
+                               "--workers", "1", "--no-cascade", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["cascade"] for r in doc["rows"]] == [False] and "(no cascade)" in capsys.readouterr().out
 
 
 def test_planner_check_bad_input_is_one_line(container, tmp_path, capsys):
