@@ -108,7 +108,9 @@ qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 b
     env_setup
     cd $HL
     local H="bash $HL/headline_gpu.sh"
-    export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
+    # one timed run per case: at 8G every prefill reads most of the 26.7 GiB of experts (about
+    # 15 s), so two runs per case would not fit one session's 30 minutes of device time
+    export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
     export BUDGETS="8G 16G" PLAN_PROMPTS=$HL/prompts4.txt
     # the GPU bit-identity tests of the current code, beside the (disk-bound) synth
     (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
@@ -120,6 +122,9 @@ qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 b
     # issue 5 on a second model: the 8G plan's predicted TPOT against the measured one
     step planner-check 300 python3 -m zipmoe.runtime.planner_check "$WORK/qwen.zmoe" --plan "$WORK/qwen-plan-8G.json" \
         --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --json-out "$WORK/qwen-planner-check-8G.json"
+    # the cache's cascade (compressed-pool victims kept in the pools below) against none
+    step planner-check-nocascade 300 python3 -m zipmoe.runtime.planner_check "$WORK/qwen.zmoe" --plan "$WORK/qwen-plan-8G.json" \
+        --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --no-cascade --json-out "$WORK/qwen-planner-check-8G-nocascade.json"
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
