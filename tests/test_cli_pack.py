@@ -265,35 +265,49 @@ def _dead_pid() -> int:
 def test_leftovers_of_a_killed_pack_or_unpack_are_removed_next_time(tmp_path, capsys):
     """SIGKILL leaves pack's hidden .tmp file (or unpack's folder); the next run for the same
     output removes those whose process is gone, and only those."""
+    from zipmoe.codecs.tempfiles import host_tag, pack_temp
+
     write_mixtral(tmp_path / "src")
-    dead, alive = _dead_pid(), os.getpid()
-    stale = tmp_path / f".m.zmoe.{dead}.0123abcd.tmp"
+    dead, alive, here = _dead_pid(), os.getpid(), host_tag()
+    assert pack_temp(tmp_path / "m.zmoe").name.startswith(f".m.zmoe.{alive}.{here}.")
+    stale = tmp_path / f".m.zmoe.{dead}.{here}.0123abcd.tmp"
     stale.write_bytes(bytes(4096))  # header placeholder: zeros, as a killed pack leaves it
-    running = tmp_path / f".m.zmoe.{alive}.89abcdef.tmp"  # a pack still going: kept
+    running = tmp_path / f".m.zmoe.{alive}.{here}.89abcdef.tmp"  # a pack still going: kept
     running.write_bytes(bytes(4096))
-    foreign = tmp_path / f".m.zmoe.{dead}.deadbeef.tmp"  # not written by pack (has bytes): kept
+    foreign = tmp_path / f".m.zmoe.{dead}.{here}.deadbeef.tmp"  # not written by pack (has bytes): kept
     foreign.write_bytes(b"ZMOE\x01" + bytes(100))
-    other = tmp_path / f".n.zmoe.{dead}.0123abcd.tmp"  # another output's: kept
+    other = tmp_path / f".n.zmoe.{dead}.{here}.0123abcd.tmp"  # another output's: kept
     other.write_bytes(bytes(10))
+    # another machine's or container's pack into the same (shared) folder: its pid means
+    # nothing here, so it is kept even though no such process runs here; likewise the older
+    # name format, which does not say where its process ran
+    elsewhere = "0" * 8 if here != "0" * 8 else "1" * 8
+    remote = tmp_path / f".m.zmoe.{dead}.{elsewhere}.0123abcd.tmp"
+    remote.write_bytes(bytes(4096))
+    legacy = tmp_path / f".m.zmoe.{dead}.0123abcd.tmp"
+    legacy.write_bytes(bytes(4096))
     code, out, err = run(capsys, "pack", tmp_path / "src", "-o", tmp_path / "m.zmoe")
     assert code == 0, err
     assert not stale.exists() and running.exists() and foreign.exists() and other.exists()
+    assert remote.exists() and legacy.exists()
     assert f"removed 1 leftover temporary file(s) of an interrupted pack: {stale.name}" in " ".join(out.split())
-    left = tmp_path / f".out.zipmoe-unpack-{dead}-0123abcd"
+    left = tmp_path / f".out.zipmoe-unpack-{dead}-{here}-0123abcd"
     (left / "sub").mkdir(parents=True)
     (left / "model-00001.safetensors").write_bytes(b"x")
+    remote_dir = tmp_path / f".out.zipmoe-unpack-{dead}-{elsewhere}-0123abcd"
+    remote_dir.mkdir()
     code, out, err = run(capsys, "unpack", tmp_path / "m.zmoe", "-o", tmp_path / "out")
     assert code == 0, err
     assert not left.exists() and (tmp_path / "out").is_dir()
-    assert not [p for p in os.listdir(tmp_path) if "zipmoe-unpack" in p]
+    assert [p for p in os.listdir(tmp_path) if "zipmoe-unpack" in p] == [remote_dir.name]
 
 
 def test_stale_removal_skips_names_whose_pid_is_out_of_range(tmp_path):
     """A name that looks like a leftover but whose number is no possible pid (os.kill raises
     OverflowError) is not one of ours: kept, and the pack does not fail on it."""
-    from zipmoe.codecs.tempfiles import remove_stale
+    from zipmoe.codecs.tempfiles import host_tag, remove_stale
 
-    odd = tmp_path / ".m.zmoe.99999999999999999999.0123abcd.tmp"
+    odd = tmp_path / f".m.zmoe.99999999999999999999.{host_tag()}.0123abcd.tmp"
     odd.write_bytes(bytes(4096))
     assert remove_stale(tmp_path, "m.zmoe") == []
     assert odd.exists()
