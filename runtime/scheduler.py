@@ -237,15 +237,32 @@ class LayerScheduler:
         the whole tensor's. A segment's SM checksum is verified by the job of its first chunk;
         the tensor is used only when every job succeeded, so nothing computes with bytes whose
         checksum failed.
+
+        From the main thread (a compressed hit, queued by the serving thread) the chunk jobs are
+        queued by a worker (:meth:`_fan_out`): a Ctrl-C lands only in the main thread, and one
+        landing between two of its queue operations would leave the tensor half queued, its
+        queued jobs running unwatched while the layer gives their bytes back. One queue
+        operation is either done (the tensor is then counted as submitted) or not.
         """
         if not self._split(f):
             self.pool.submit(rank, self._whole, f, verify_e, verify_sm, done)
             return
         t = f.tensor
         jobs = [(i, k) for i, seg in enumerate(t.segments) for k in range(len(seg.e_chunks))]
-        latch = _Latch(len(jobs))
+        if threading.current_thread() is threading.main_thread():
+            self.pool.submit(rank, self._fan_out, f, jobs, rank, verify_e, verify_sm, done)
+            return
+        latch = _Latch(len(jobs))  # the I/O thread: queue them all, it goes on reading
         for i, k in jobs:
             self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+
+    def _fan_out(self, f: _Fetch, jobs: list, rank, verify_e: bool, verify_sm: bool, done) -> None:
+        """On a decode worker: queue every chunk job of ``f`` but the first, then run the first."""
+        latch = _Latch(len(jobs))
+        for i, k in jobs[1:]:
+            self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+        i, k = jobs[0]
+        self._piece(f, i, k, verify_e, verify_sm, latch, done)
 
     def _whole(self, f: _Fetch, verify_e: bool, verify_sm: bool, done) -> None:
         try:

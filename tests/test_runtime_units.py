@@ -389,3 +389,63 @@ def test_ctrl_c_while_a_cached_expert_computes_waits_for_the_fetches_in_flight(t
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     assert rt._inflight == 0
     rt.close()
+
+
+def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_factory):
+    """A compressed hit's decode is one job per E chunk. Queued from the serving thread one by
+    one, a Ctrl-C between two of them left the queued ones running unwatched (their tensor
+    was never counted as submitted, so the layer's Ctrl-C handler did not wait for them) while
+    the layer released their bytes. Now the serving thread queues one job that fans out."""
+    import threading
+    import time as _time
+
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.9), workers=2)
+    rt = model.zipmoe
+    sched = rt.scheduler
+    total = rt.cache.capacity_bytes()
+    rt.cache.pools["full"].capacity, rt.cache.pools["compressed"].capacity = 0, total  # compressed hits only
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    ref = reference(src)
+    batch = inputs(vocab, False, batch=4, seed=1)
+    with torch.no_grad():
+        model(**batch)  # fills the compressed pool
+    assert rt.cache.pools["compressed"].used > 0
+
+    running = {"n": 0}
+    lock = threading.Lock()
+    piece, submit = sched._piece, sched.pool.submit
+
+    def slow_piece(*a):
+        with lock:
+            running["n"] += 1
+        try:
+            _time.sleep(0.05)
+            return piece(*a)
+        finally:
+            with lock:
+                running["n"] -= 1
+
+    calls = {"main": 0}
+
+    def submit_interrupting(rank, fn, *args):
+        if threading.current_thread() is threading.main_thread():
+            calls["main"] += 1
+            if calls["main"] == 2:  # the second job the serving thread queues
+                raise KeyboardInterrupt
+        return submit(rank, fn, *args)
+
+    sched._piece = slow_piece
+    sched.pool.submit = submit_interrupting
+    with pytest.raises(KeyboardInterrupt):
+        with torch.no_grad():
+            model(**batch)
+    assert calls["main"] == 2
+    with lock:
+        assert running["n"] == 0, "decode jobs still running after the layer gave their bytes back"
+    assert rt._inflight == 0 and not rt.cache.pinned
+    sched._piece, sched.pool.submit = piece, submit
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    rt.close()
