@@ -57,9 +57,6 @@ from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, s
 
 __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers", "demote"]
 
-_NEEDS_SM_READ = ("none", "e_only")
-
-
 def _reads_of(state) -> tuple[bool, bool]:
     """(read E?, read SM?) for a tensor fetched from this cache state."""
     return state in (None, "none", "sm_only"), state in (None, "none", "e_only")
@@ -69,7 +66,7 @@ def expert_type(states: list) -> str:
     """``full`` when every tensor is whole, ``I`` when one must read its SM chunk, else ``II``."""
     if all(s == "full" for s in states):
         return "full"
-    if any(s is None or s in _NEEDS_SM_READ for s in states):
+    if any(_reads_of(s)[1] for s in states):
         return "I"
     return "II"
 
@@ -238,23 +235,17 @@ class LayerScheduler:
         the tensor is used only when every job succeeded, so nothing computes with bytes whose
         checksum failed.
 
-        From the main thread (a compressed hit, queued by the serving thread) the chunk jobs are
-        queued by a worker (:meth:`_fan_out`): a Ctrl-C lands only in the main thread, and one
-        landing between two of its queue operations would leave the tensor half queued, its
-        queued jobs running unwatched while the layer gives their bytes back. One queue
-        operation is either done (the tensor is then counted as submitted) or not.
+        The chunk jobs are queued by a worker (:meth:`_fan_out`) from one queued job: one queue
+        operation is either done or not, so a Ctrl-C (it lands only in the serving thread,
+        which queues a compressed hit's decode) cannot leave a tensor half queued, its queued
+        jobs running unwatched while the layer gives their bytes back; and the I/O thread goes
+        back to reading after one queue operation.
         """
         if not self._split(f):
             self.pool.submit(rank, self._whole, f, verify_e, verify_sm, done)
             return
-        t = f.tensor
-        jobs = [(i, k) for i, seg in enumerate(t.segments) for k in range(len(seg.e_chunks))]
-        if threading.current_thread() is threading.main_thread():
-            self.pool.submit(rank, self._fan_out, f, jobs, rank, verify_e, verify_sm, done)
-            return
-        latch = _Latch(len(jobs))  # the I/O thread: queue them all, it goes on reading
-        for i, k in jobs:
-            self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+        jobs = [(i, k) for i, seg in enumerate(f.tensor.segments) for k in range(len(seg.e_chunks))]
+        self.pool.submit(rank, self._fan_out, f, jobs, rank, verify_e, verify_sm, done)
 
     def _fan_out(self, f: _Fetch, jobs: list, rank, verify_e: bool, verify_sm: bool, done) -> None:
         """On a decode worker: queue every chunk job of ``f`` but the first, then run the first."""
@@ -380,7 +371,7 @@ class LayerScheduler:
                 elif st == "e_only":
                     f.e_parts = cache.get(t.uid)
                 need += rt.working_bytes(t)
-                if st in (None, "none", "sm_only", "e_only"):
+                if any(_reads_of(st)):
                     # what it reads, and its read buffers, taken now (idle ones first) so that
                     # the hold below counts them as this fetch's and not as idle
                     store = rt.store
