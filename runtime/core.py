@@ -8,9 +8,9 @@ Budget accounting (bytes; "weights held by the runtime"):
   tensors (tied weights once).
 * ``working``: what fetching experts needs at most at once: ``window`` experts in flight, each
   its bf16 compute tensors plus the aligned read buffers of its chunks, plus one decode scratch
-  buffer per worker. Read buffers are reused (``store.ReadBuffers``); idle ones count in
-  ``held_bytes`` and are dropped so that idle + in flight stays within the window's share. ``window`` is ``workers + 2`` experts when the budget allows, fewer (down
-  to 1) when it does not.
+  buffer per worker. ``window`` is ``workers + 2`` experts when the budget allows, fewer (down
+  to 1) when it does not. Read buffers are reused (``store.ReadBuffers``); idle ones count in
+  ``held_bytes`` and are dropped so that idle + in flight stays within the window's share.
 * the pools: what is left, split by the plan (``plan["pools"]``) or by the default split.
 
 The smallest budget accepted is ``dense + working(window=1)``; below it :class:`BudgetError`

@@ -17,7 +17,7 @@ Two things:
 * :class:`ReadBuffers`: those aligned buffers, reused. A fresh anonymous mapping costs a page
   fault per 4 KiB the first time the kernel writes into it, and in a VM a fault is expensive:
   on the CPU box, O_DIRECT reads of 1.7 MB ran at 0.7 GiB/s into fresh mappings and at
-  1.1 GiB/s into a reused one (docs/benchmarks.md §8). The runtime hands a fetch's buffers back
+  1.1 GiB/s into a reused one (docs/benchmarks.md §10). The runtime hands a fetch's buffers back
   once the tensor is whole and admitted; idle buffers count in its held bytes.
 
 :func:`decode_into` turns stored E chunks and the SM chunk of an expert tensor into bf16 (as
@@ -265,11 +265,6 @@ class ReadBuffers:
         while self._idle and self.idle_bytes > max(0, max_idle):
             m = self._idle.pop()
             self.idle_bytes -= len(m)  # dropped: freed once no view refers to it
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-            self.idle_bytes = 0
 
 
 class ExpertStore:
