@@ -80,6 +80,11 @@ class BenchConfig:
     prompt_tokens: int = 64
     seed: int = 0
 
+    @property
+    def allow_drop_caches(self) -> bool:
+        """Cold runs may write /proc/sys/vm/drop_caches (``--cold-method`` auto or drop_caches)."""
+        return self.cold_method != "fadvise"
+
 
 # ----------------------------------------------------------------------------- parsing helpers
 
@@ -499,7 +504,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     else:
         bw = bench_cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan)
         if bw is None:
-            bench_cold.make_cold([cfg.container], cfg.cold_method != "fadvise")
+            bench_cold.make_cold([cfg.container], cfg.allow_drop_caches)
             m = bench_cold.disk_bandwidth(cfg.container)
             bw = {"bytes_per_s": m["bytes_per_s"], "source": "measured by bench: sequential " + ("O_DIRECT" if m["o_direct"] else "buffered (cache dropped)") + f" read of {format_size(m['bytes'])} of the container"}
     doc["disk_bw"] = bw
@@ -526,7 +531,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                       "prompt_tokens": [len(x) for x in ids]}
 
     cold_paths = [p for p in (cfg.container, raw, source, work / "offload") if p is not None]
-    doc["cold_mode"] = bench_cold.cold_mode_available(cold_paths, cfg.cold_method != "fadvise") if cfg.cold else "warm"
+    doc["cold_mode"] = bench_cold.cold_mode_available(cold_paths, cfg.allow_drop_caches) if cfg.cold else "warm"
     if cfg.cold and doc["cold_mode"] == "o_direct":
         log("note: cannot drop the page cache here: only engines that read with O_DIRECT (zipmoe) are cold")
 
@@ -545,7 +550,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "raw_container": str(raw) if raw else None, "source": str(source) if source else None,
                 "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
-                "warmup": True, "allow_drop_caches": cfg.cold_method != "fadvise", "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
+                "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
             }
