@@ -48,6 +48,17 @@ step() {  # step NAME SECONDS CMD...: one line before and after, the exit status
     return $rc
 }
 
+gpu_tests_bg() {  # the GPU bit-identity tests, in the background (the caller waits), log in $WORK/gpu-tests.log
+    (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
+        "$REPO/tests/test_kernels_triton.py" > "$WORK/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >> "$WORK/gpu-tests.log") &
+}
+
+planner_check() {  # planner_check STEP SECONDS TAG BUDGET [OPTIONS...]: predicted vs measured, JSON in $WORK
+    local name=$1 limit=$2 tag=$3 b=$4; shift 4
+    step "$name" "$limit" python3 -m zipmoe.runtime.planner_check "$WORK/$tag.zmoe" --plan "$WORK/$tag-plan-$b.json" \
+        --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --json-out "$WORK/$tag-$name-$b.json" "$@"
+}
+
 pipeline() {
     env_setup
     cd $HL
@@ -62,8 +73,7 @@ pipeline() {
     step olmoe-raw 300 $H olmoe-raw
     step olmoe-pack 420 $H olmoe-pack
     step olmoe-plan 420 $H olmoe-plan
-    step planner-check 420 python3 -m zipmoe.runtime.planner_check "$WORK/olmoe.zmoe" --plan "$WORK/olmoe-plan-4G.json" \
-        --prompts $HL/prompts4.txt --tokens 12 --alternatives --device "${DEVICE:-cuda}" --json-out "$WORK/olmoe-planner-check-4G.json"
+    planner_check planner-check 420 olmoe 4G --alternatives
     step olmoe-unc 600 $H olmoe-unc
     step olmoe-zipmoe 600 $H olmoe-zipmoe
     step olmoe-acc 600 $H olmoe-acc
@@ -84,8 +94,7 @@ final() {  # the short second session: GPU bit-identity tests, then olmoe at 4G 
     local H="bash $HL/headline_gpu.sh"
     # every engine in its memory cgroup: the GPU VM needs the leaf move (cgroup v2, own cgroup holds processes)
     export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
-    (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
-        "$REPO/tests/test_kernels_triton.py" > "$WORK/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >> "$WORK/gpu-tests.log") &
+    gpu_tests_bg
     export BUDGETS="4G" PLAN_PROMPTS=$HL/prompts4.txt
     step olmoe-synth 300 $H olmoe-synth
     step olmoe-raw 200 $H olmoe-raw
@@ -95,8 +104,7 @@ final() {  # the short second session: GPU bit-identity tests, then olmoe at 4G 
     step olmoe-zipmoe 300 $H olmoe-zipmoe
     step olmoe-unc 300 $H olmoe-unc
     step olmoe-acc 300 $H olmoe-acc
-    step planner-check 200 python3 -m zipmoe.runtime.planner_check "$WORK/olmoe.zmoe" --plan "$WORK/olmoe-plan-4G.json" \
-        --prompts $HL/prompts4.txt --tokens 12 --device cuda --json-out "$WORK/olmoe-planner-check-4G.json"
+    planner_check planner-check 200 olmoe 4G
     export BUDGETS="8G"
     FORCE=1 step olmoe-plan8 300 $H olmoe-plan
     FORCE=1 step olmoe-zipmoe8 300 $H olmoe-zipmoe
@@ -113,19 +121,15 @@ qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 b
     export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40}
     export BUDGETS="8G 16G" PLAN_PROMPTS=$HL/prompts4.txt
     # the GPU bit-identity tests of the current code, beside the (disk-bound) synth (GPU_TESTS=0: not)
-    [ "${GPU_TESTS:-1}" = 1 ] && (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_runtime.py" "$REPO/tests/test_runtime_units.py" \
-        "$REPO/tests/test_kernels_triton.py" > "$WORK/gpu-tests.log" 2>&1; echo "gpu tests rc=$?" >> "$WORK/gpu-tests.log") &
+    [ "${GPU_TESTS:-1}" = 1 ] && gpu_tests_bg
     # QWEN_STAGES: a shorter list for a second machine (e.g. without qwen-acc)
     for s in ${QWEN_STAGES:-qwen-synth qwen-raw qwen-unc qwen-acc qwen-rmraw qwen-pack qwen-plan qwen-zipmoe report}; do
         step $s 900 $H $s
         [ "$s" = qwen-synth ] && { wait; tail -3 "$WORK/gpu-tests.log" 2>/dev/null; }
     done
     # issue 5 on a second model: the 8G plan's predicted TPOT against the measured one
-    step planner-check 300 python3 -m zipmoe.runtime.planner_check "$WORK/qwen.zmoe" --plan "$WORK/qwen-plan-8G.json" \
-        --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --json-out "$WORK/qwen-planner-check-8G.json"
-    # the cache's cascade (compressed-pool victims kept in the pools below) against none
-    step planner-check-nocascade 300 python3 -m zipmoe.runtime.planner_check "$WORK/qwen.zmoe" --plan "$WORK/qwen-plan-8G.json" \
-        --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --no-cascade --json-out "$WORK/qwen-planner-check-8G-nocascade.json"
+    planner_check planner-check 300 qwen 8G
+    planner_check planner-check-nocascade 300 qwen 8G --no-cascade
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
