@@ -61,4 +61,9 @@ def main(results: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "2026-11-30-h200-qwen")
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "2026-11-30-h200-qwen"
+    try:
+        main(where)
+    except (OSError, ValueError, KeyError) as exc:  # a wrong folder or another run's files: one line
+        what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        sys.exit(f"planner_sensitivity: error: {what} (give a folder with qwen-plan-8G.json and qwen-profile.json)")
