@@ -44,6 +44,7 @@ from pathlib import Path
 ENV_CGROUP = "ZIPMOE_BENCH_CGROUP"  # the engine's process joins the cgroup folder named here
 LEAF_NAME = "zipmoe-leaf"  # child of the own v2 cgroup that its processes move to (move_to_leaf)
 MOVE_OPTION = "--cgroup-move-to-leaf"  # the bench option that allows the move
+MOVED_NOTE = "moved "  # how the note saying that processes were moved begins (bench echoes it)
 
 
 @dataclass
@@ -221,7 +222,7 @@ def _enable_memory(folder: Path, move_to_leaf: bool, notes: list[str] | None) ->
         return (f"cannot enable the memory controller for children even after moving {moved} processes into "
                 f"{folder / LEAF_NAME} ({exc2.strerror or exc2})")
     if notes is not None:
-        notes.append(f"moved {moved} processes of {folder} into {folder / LEAF_NAME} so that the memory controller "
+        notes.append(f"{MOVED_NOTE}{moved} processes of {folder} into {folder / LEAF_NAME} so that the memory controller "
                      f"could be enabled for children (cgroup v2 no-internal-process rule)")
     return None
 

@@ -468,7 +468,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     support = (bench_cgroup.detect(move_to_leaf=cfg.cgroup_move_to_leaf) if cfg.cgroup
                else bench_cgroup.CgroupSupport(False, reason="disabled with --no-cgroup"))
     for note in support.notes:
-        if note.startswith("moved "):  # processes were moved (--cgroup-move-to-leaf): say so on the console too
+        if note.startswith(bench_cgroup.MOVED_NOTE):  # processes were moved (--cgroup-move-to-leaf): say so on the console too
             log(f"note: {note}")
     doc["cgroup"] = support.to_dict()
     if not support.usable:
