@@ -6,6 +6,8 @@
 #   bash benchmarks/device_session.sh watch [SECONDS]   follow it again (next device call)
 #   PIPELINE=final bash benchmarks/device_session.sh start [SECONDS]   the short pipeline (final())
 #   PIPELINE=qwen bash benchmarks/device_session.sh start [SECONDS]    GPU tests, qwen1.5-moe-a2.7b at 8G/16G, planner check
+#   PIPELINE=planner bash benchmarks/device_session.sh start [SECONDS] GPU tests, qwen 8G plan against full tensors only
+#                                                                      (bench both orders, planner check), olmoe 4G check
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -133,6 +135,35 @@ qwen() {  # the qwen1.5-moe-a2.7b headline alone (about 22 minutes on the H200 b
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
+planner() {  # issue 5 on the GPU: why qwen's 8G mixed plan measured slower than full tensors only
+    env_setup
+    cd $HL
+    local H="bash $HL/headline_gpu.sh" W=$WORK
+    export BENCH_EXTRA="--cold-method fadvise --cgroup-move-to-leaf" TOKENS=${TOKENS:-12} RUNS=${RUNS:-2}
+    export BUDGETS="8G" PLAN_PROMPTS=$HL/prompts4.txt
+    [ "${GPU_TESTS:-1}" = 1 ] && gpu_tests_bg
+    step qwen-synth 300 $H qwen-synth
+    wait; tail -3 "$WORK/gpu-tests.log" 2>/dev/null
+    step qwen-pack 300 $H qwen-pack
+    rm -rf "$W/qwen-src"
+    step qwen-plan 300 $H qwen-plan
+    # the plan and full tensors only, side by side, cold, in both orders (the first engine of a
+    # bench had been the plan's): the counters split the reads by cache state
+    local common="--plan $W/qwen-plan-8G.json --budget 8G --batch 1 --new-tokens $TOKENS --runs $RUNS --cold $BENCH_EXTRA
+        --device ${DEVICE:-cuda} --profile $W/qwen-profile.json --work-dir $W/qwen-work"
+    step bench-basic-plan 400 zipmoe bench $W/qwen.zmoe --engine zipmoe-basic --engine zipmoe $common --json $W/qwen-basic-plan.json
+    step bench-plan-basic 400 zipmoe bench $W/qwen.zmoe --engine zipmoe --engine zipmoe-basic $common --json $W/qwen-plan-basic.json
+    planner_check planner-check-full 300 qwen 8G --alternative "full only"
+    # olmoe's mixed 4G plan, measured 1.54x its prediction before the cascade and the read fixes
+    export BUDGETS="4G"
+    step olmoe-synth 300 $H olmoe-synth
+    step olmoe-pack 300 $H olmoe-pack
+    rm -rf "$W/olmoe-src"
+    step olmoe-plan 300 $H olmoe-plan
+    planner_check planner-check 300 olmoe 4G --alternative "full only"
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
 collect() {
     [ -n "${OUT:-}" ] || return 0
     cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
@@ -159,6 +190,7 @@ case "$mode" in
         sleep 2; follow ;;
     final) final ;;
     qwen) qwen ;;
+    planner) planner ;;
     pipeline) pipeline ;;
     watch) follow ;;
     *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;

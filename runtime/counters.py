@@ -9,6 +9,11 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``bytes_read``: bytes of chunks read from the container (what the index says was needed)
 * ``bytes_read_disk``: bytes actually transferred by the reads (4096-aligned for O_DIRECT)
 * ``reads``: number of read calls (positional reads of chunk ranges)
+* ``reads_by_state``: the same reads split by the cache state of the tensor they were for
+  (``none``: a miss reads E and SM; ``e_only`` reads SM; ``sm_only`` reads E), each
+  ``[reads, bytes transferred, seconds]``: the read rate of each kind of fetch while serving
+* ``fresh_buffers``: reads that went into a newly mapped buffer instead of a reused one (each
+  costs a page fault per 4 KiB: ``store.ReadBuffers``)
 * ``hits``: per state of an expert tensor when a layer needed it: ``full``, ``compressed``,
   ``sm_only``, ``e_only`` and ``none`` (a miss). One count per *compute tensor* (for the fused
   families an expert has two: ``gate_up`` and ``down``), per layer call.
@@ -16,7 +21,8 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``layer_calls``: sparse-layer calls (one per sparse layer per forward)
 * ``time_s``: seconds spent per stage, summed over the threads that did it: ``read`` (I/O
   thread), ``decode`` (decompression, workers), ``merge`` (E+SM -> bf16), ``compute`` (expert
-  forward, serving thread), ``wait`` (serving thread blocked on the pipeline)
+  forward, serving thread), ``wait`` (serving thread blocked on the pipeline), ``admit``
+  (serving thread placing fetched tensors in the cache pools, copies included)
 * ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
   the wall time from the router's choice to the layer's output
 * ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
@@ -32,7 +38,7 @@ import threading
 __all__ = ["Counters", "delta", "STATES", "STAGES"]
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
-STAGES = ("read", "decode", "merge", "compute", "wait")
+STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
 
 
 class Counters:
@@ -44,6 +50,8 @@ class Counters:
         self.bytes_read = 0
         self.bytes_read_disk = 0
         self.reads = 0
+        self.reads_by_state = {}
+        self.fresh_buffers = 0
         self.hits = {s: 0 for s in STATES}
         self.expert_calls = 0
         self.layer_calls = 0
@@ -53,12 +61,21 @@ class Counters:
         self.checksum_failures = 0
 
     # --- updates (thread-safe where called from several threads)
-    def add_read(self, payload: int, disk: int, seconds: float) -> None:
+    def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None) -> None:
         with self._lock:
             self.bytes_read += payload
             self.bytes_read_disk += disk
             self.reads += 1
             self.time_s["read"] += seconds
+            if state is not None:
+                rec = self.reads_by_state.setdefault(state, [0, 0, 0.0])
+                rec[0] += 1
+                rec[1] += disk
+                rec[2] += seconds
+
+    def add_fresh_buffer(self) -> None:
+        with self._lock:
+            self.fresh_buffers += 1
 
     def add_time(self, stage: str, seconds: float) -> None:
         with self._lock:
@@ -94,6 +111,8 @@ class Counters:
                 "bytes_read": self.bytes_read,
                 "bytes_read_disk": self.bytes_read_disk,
                 "reads": self.reads,
+                "reads_by_state": copy.deepcopy(self.reads_by_state),
+                "fresh_buffers": self.fresh_buffers,
                 "hits": dict(self.hits),
                 "expert_calls": self.expert_calls,
                 "layer_calls": self.layer_calls,
@@ -111,6 +130,10 @@ def delta(after: dict, before: dict) -> dict:
         b = before.get(k)
         if k == "peak_held_bytes":
             out[k] = v
+        elif k == "reads_by_state":
+            b = b or {}
+            out[k] = {st: [x - y for x, y in zip(rec, b.get(st, [0, 0, 0.0]))] for st, rec in v.items()
+                      if rec[0] - b.get(st, [0])[0]}
         elif k == "layer_makespan_s":
             d = {}
             for layer, (s, c, m) in v.items():

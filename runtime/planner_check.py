@@ -2,7 +2,7 @@
 
     python -m zipmoe.runtime.planner_check M.zmoe --plan plan.json [--prompts builtin|FILE]
         [--tokens 32] [--alternatives] [--json] [--json-out FILE] [--workers N] [--device cpu]
-        [--no-cascade]
+        [--no-cascade] [--alternative NAME ...]
 
 For each plan (the chosen one, and with ``--alternatives`` every single-pool plan recorded in
 plan.json's ``alternatives``), the model is loaded with the plan's budget and pools, the
@@ -14,6 +14,9 @@ the least disturbed by other processes on a shared machine), their ratio, and th
 expected vs measured experts per token per layer in each state. ``--no-cascade`` measures with
 the cache's cascade off (tensors evicted from the compressed pool are dropped instead of kept
 in the pools below: the policy before 2026-11-30), for the ablation in docs/benchmarks.md.
+``--alternative NAME`` (repeatable; e.g. ``"full only"``) measures only those single-pool plans
+beside the chosen one. Each row also keeps the timed pass's read counters (reads, bytes and
+seconds per cache state, fresh read buffers) and stage times, to see where a plan's time went.
 
 Use the same prompts as the trace the plan was made from (``zipmoe plan --calibrate builtin``
 and ``--prompts builtin`` here), so that the activation statistics match.
@@ -112,6 +115,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
         "hits": {s: d["hits"][s] / units / layer_calls for s in STATES},
         "bytes_read_per_token": d["bytes_read"] / max(1, len(gaps)),
         "pools": dict(rt.pools),
+        "counters": {k: d[k] for k in ("reads_by_state", "fresh_buffers", "time_s", "reads", "bytes_read")},
     }
 
 
@@ -136,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="builtin")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--alternatives", action="store_true")
+    ap.add_argument("--alternative", action="append", default=[], metavar="NAME",
+                    help="measure this single-pool plan of plan.json (repeatable; e.g. 'full only')")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-cascade", action="store_true", help="drop tensors evicted from the compressed pool (ablation)")
@@ -167,9 +173,13 @@ def _check(a) -> int:
         raise ValueError(f"{a.plan} is not a plan.json from `zipmoe plan`")
     prompts = _prompts(a.prompts)
     plans = [("chosen", plan)]
-    if a.alternatives:
-        for name, alt in plan.get("alternatives", {}).items():
-            if name == "no cache":
+    alts = plan.get("alternatives", {})
+    unknown = [n for n in a.alternative if n not in alts]
+    if unknown:
+        raise ValueError(f"{a.plan} has no alternative {unknown[0]!r} (it has: {', '.join(repr(n) for n in alts)})")
+    if a.alternatives or a.alternative:
+        for name, alt in alts.items():
+            if name == "no cache" or (a.alternative and name not in a.alternative):
                 continue
             plans.append((name, {**plan, "pools": alt["pools"], "expected_tpot_s": alt["expected_tpot_s"],
                                  "expected_hits": alt["expected_hits"],
@@ -181,7 +191,8 @@ def _check(a) -> int:
                      "measured_tpot_s": m["tpot_s"], "measured_tpot_p10_s": m["tpot_p10_s"],
                      "ratio": m["tpot_s"] / p["expected_tpot_s"],
                      "predicted_layer_s": p["expected_layer_makespan_s"], "measured_layer_s": m["layer_makespan_s"],
-                     "predicted_hits": p["expected_hits"], "measured_hits": m["hits"], "steps": m["steps"]})
+                     "predicted_hits": p["expected_hits"], "measured_hits": m["hits"], "steps": m["steps"],
+                     "counters": m["counters"]})
         if a.json_out:  # after every plan: a long check that is cut short keeps what it measured
             with open(a.json_out, "w", encoding="utf-8") as f:
                 json.dump({"container": a.container, "plan": a.plan, "device": a.device, "tokens": a.tokens, "rows": rows}, f, indent=2)

@@ -194,7 +194,7 @@ class LayerScheduler:
         bufs = []
         for (off, ln), buf in zip(f.ranges, f.bufs):
             payload = sum(r[1] for r in wanted if off <= r[0] < off + ln)
-            bufs.append((off, self.rt.store.read(off, ln, payload, buf=buf)))
+            bufs.append((off, self.rt.store.read(off, ln, payload, buf=buf, state=f.state or "none")))
         if need_e:
             f.e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
         if need_sm:
@@ -441,8 +441,10 @@ class LayerScheduler:
                     self._finish(fetches[e])
                     t0 = time.perf_counter()
                     compute(e, weights_of(e))
-                    counters.add_time("compute", time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    counters.add_time("compute", t1 - t0)
                     self._admit(fetches[e])
+                    counters.add_time("admit", time.perf_counter() - t1)
                 rt.release(reserved.pop(e))
                 fl = fetches.pop(e, None)
                 bufs = [b for f in fl if f is not None for b in f.bufs] if (fl and not errors) else None

@@ -220,9 +220,10 @@ class ReadBuffers:
     when no view into it is used any more (the runtime copies what its cache keeps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, counters=None) -> None:
         import threading
 
+        self._counters = counters
         self._lock = threading.Lock()
         self._idle: list = []  # mmaps
         self.idle_bytes = 0
@@ -242,6 +243,8 @@ class ReadBuffers:
                 self.reused += 1
                 return m
             self.made += 1
+        if self._counters is not None:
+            self._counters.add_fresh_buffer()
         # a little room above the size, so that the next read of this tensor (whose compressed
         # size may differ slightly) reuses it; page aligned (anonymous memory always is)
         cap = -(-(size + reuse_slack(size) // 2) // ALIGN) * ALIGN
@@ -273,7 +276,7 @@ class ExpertStore:
     def __init__(self, path, counters=None, direct: bool = True) -> None:
         self.path = str(path)
         self.counters = counters
-        self.buffers = ReadBuffers()
+        self.buffers = ReadBuffers(counters)
         self._fd = os.open(self.path, os.O_RDONLY)
         self._dfd = -1
         if direct and hasattr(os, "O_DIRECT"):
@@ -297,14 +300,15 @@ class ExpertStore:
         """The aligned buffer a read of ``[offset, offset+length)`` needs (see ``buf``)."""
         return -(-(offset + length) // ALIGN) * ALIGN - (offset - offset % ALIGN)
 
-    def read(self, offset: int, length: int, payload: int | None = None, buf=None) -> np.ndarray:
+    def read(self, offset: int, length: int, payload: int | None = None, buf=None, state: str | None = None) -> np.ndarray:
         """Bytes ``[offset, offset+length)`` of the file as a uint8 array (a view into an aligned buffer).
 
         ``payload``: how many of these bytes are chunk bytes (the rest is padding read across);
         counted as ``bytes_read`` (``bytes_read_disk`` counts what was transferred).
         ``buf``: a page-aligned buffer of at least :meth:`buffer_size` bytes to read into (one
         from :attr:`buffers`, for the caller to hand back once it no longer uses the view);
-        without it a fresh one is mapped."""
+        without it a fresh one is mapped. ``state``: the cache state of the tensor read for
+        (``Counters.reads_by_state``)."""
         t0 = time.perf_counter()
         if length <= 0:
             return np.empty(0, np.uint8)
@@ -321,7 +325,7 @@ class ExpertStore:
         else:
             arr, disk = self._read_plain(offset, length, buf)
         if self.counters is not None:
-            self.counters.add_read(length if payload is None else payload, disk, time.perf_counter() - t0)
+            self.counters.add_read(length if payload is None else payload, disk, time.perf_counter() - t0, state)
         return arr
 
     def _read_direct(self, offset: int, length: int, buf=None):
