@@ -7,7 +7,8 @@
 #   PIPELINE=final bash benchmarks/device_session.sh start [SECONDS]   the short pipeline (final())
 #   PIPELINE=qwen bash benchmarks/device_session.sh start [SECONDS]    GPU tests, qwen1.5-moe-a2.7b at 8G/16G, planner check
 #   PIPELINE=planner bash benchmarks/device_session.sh start [SECONDS] GPU tests, qwen 8G plan against full tensors only
-#                                                                      (bench both orders, planner check), olmoe 4G check
+#                                                                      (bench both orders unless AB_BENCH=0, planner
+#                                                                      check), olmoe 4G check; calibration traces kept
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -151,9 +152,12 @@ planner() {  # issue 5 on the GPU: why qwen's 8G mixed plan measured slower than
     # bench had been the plan's): the counters split the reads by cache state
     local common="--plan $W/qwen-plan-8G.json --budget 8G --batch 1 --new-tokens $TOKENS --runs $RUNS --cold $BENCH_EXTRA
         --device ${DEVICE:-cuda} --profile $W/qwen-profile.json --work-dir $W/qwen-work"
-    step bench-basic-plan 400 zipmoe bench $W/qwen.zmoe --engine zipmoe-basic --engine zipmoe $common --json $W/qwen-basic-plan.json
-    step bench-plan-basic 400 zipmoe bench $W/qwen.zmoe --engine zipmoe --engine zipmoe-basic $common --json $W/qwen-plan-basic.json
+    if [ "${AB_BENCH:-1}" = 1 ]; then
+        step bench-basic-plan 400 zipmoe bench $W/qwen.zmoe --engine zipmoe-basic --engine zipmoe $common --json $W/qwen-basic-plan.json
+        step bench-plan-basic 400 zipmoe bench $W/qwen.zmoe --engine zipmoe --engine zipmoe-basic $common --json $W/qwen-plan-basic.json
+    fi
     planner_check planner-check-full 300 qwen 8G --alternative "full only"
+    mkdir -p $W/qwen-work && cp /tmp/zipmoe-calib-*.jsonl $W/qwen-work/ 2>/dev/null  # the calibration traces, kept
     # olmoe's mixed 4G plan, measured 1.54x its prediction before the cascade and the read fixes
     export BUDGETS="4G"
     step olmoe-synth 300 $H olmoe-synth
@@ -161,6 +165,7 @@ planner() {  # issue 5 on the GPU: why qwen's 8G mixed plan measured slower than
     rm -rf "$W/olmoe-src"
     step olmoe-plan 300 $H olmoe-plan
     planner_check planner-check 300 olmoe 4G --alternative "full only"
+    mkdir -p $W/olmoe-work && cp /tmp/zipmoe-calib-*.jsonl $W/olmoe-work/ 2>/dev/null
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 

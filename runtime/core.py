@@ -233,6 +233,11 @@ class Runtime:
             self._trace.close()
             self._trace = None
 
+    def begin_step(self, input_shape) -> None:
+        """A forward step starts (its input ids' ``[batch, sequence]``: recorded in the trace)."""
+        if self._trace is not None:
+            self._trace.begin_step(input_shape)
+
     def end_step(self) -> None:
         if self._trace is not None:
             self._trace.end_step()

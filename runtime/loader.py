@@ -375,6 +375,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             raise ModelError(f"the container lacks dense weights the model needs: {', '.join(missing[:3])}{more}")
         model.eval()  # the replacement modules too (SwitchExperts has a dropout)
         model.zipmoe = rt
+        model.register_forward_pre_hook(lambda _m, args, kwargs: rt.begin_step(_input_shape(args, kwargs)), with_kwargs=True)
         model.register_forward_hook(lambda *_: rt.end_step())
         if warm:
             rt.warm()
@@ -384,6 +385,22 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
+
+
+def _input_shape(args, kwargs) -> list | None:
+    """``[batch, sequence]`` of a forward call's input ids (or embeddings; for an encoder-decoder
+    generating, the decoder's), for the trace."""
+    x = None
+    for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
+        if kwargs.get(key) is not None:
+            x = kwargs[key]
+            break
+    if x is None and args:
+        x = args[0]
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 2:
+        return None
+    return [int(shape[0]), int(shape[1])]
 
 
 def _top_k(cfg: dict) -> int:

@@ -11,6 +11,18 @@ the share of all selections in the layer that went to the rank-``r`` expert (``s
 a token chooses ``top_k`` experts, so rank ``r`` is chosen by a token with probability
 ``top_k * p[r]`` (at most 1).
 
+Decode steps only, when the traces mark them. The planner predicts the time per *output*
+token, and a decode step's tokens choose experts differently from a prompt's: the prefill of a
+prompt spreads its many tokens over most experts, while decoding (one token per step) keeps
+returning to fewer. The runtime's cache also ranks experts by the steps that used them (one
+count per layer call), which decode steps dominate. So when the traces record each step's
+input shape (``sequence == 1``: decode) and hold at least ``MIN_DECODE_STEPS`` decode steps, the
+counts come from those steps alone (``ActivationStats.basis == "decode steps"``); otherwise
+from every routed token (``"all tokens"``: older traces, prefill-only traces). On the GPU check
+of 30 Nov (docs/benchmarks.md §7) counting the prefill made the hottest ranks look less
+popular than decoding found them (full-pool hits 3.46 predicted against 3.62 measured per
+layer), which made full tensors look worse than they were.
+
 Smoothing: ``alpha`` pseudo-selections (default 0.5) are added to every expert before sorting,
 so that a short trace does not claim that an expert is never used.
 
@@ -28,7 +40,9 @@ import numpy as np
 
 from zipmoe.errors import ModelError, UsageError
 
-__all__ = ["ActivationStats", "from_traces", "uniform", "rank_distribution"]
+__all__ = ["ActivationStats", "from_traces", "uniform", "rank_distribution", "MIN_DECODE_STEPS"]
+
+MIN_DECODE_STEPS = 16  # fewer decode steps than this: count every token instead
 
 
 @dataclass
@@ -42,6 +56,8 @@ class ActivationStats:
     tokens: int = 0  # tokens seen (rows routed), summed over files, per layer max
     files: list[str] = field(default_factory=list)
     steps: int = 0
+    decode_steps: int = 0  # steps whose input was one token per sequence
+    basis: str = "all tokens"  # "decode steps" | "all tokens" (see the module doc)
 
     def summary(self) -> dict:
         """What plan.json records about where the statistics came from."""
@@ -52,6 +68,8 @@ class ActivationStats:
             "source": self.source,
             "files": self.files,
             "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "basis": self.basis,
             "tokens": self.tokens,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
@@ -86,11 +104,12 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
     from .trace import read_trace
 
     counts = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}
+    decode = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}
     tokens = {l: 0 for l in layers}
-    files, steps = [], 0
+    files, steps, decode_steps = [], 0, 0
     for path in paths:
         path = Path(path)
-        header, lines = read_trace(path)
+        header, lines = read_trace(path, with_input=True)
         if not isinstance(header, dict) or "container_id" not in header:
             raise UsageError(f"{path} is not a zipmoe trace (its first line has no container_id)")
         if container_id is not None and header["container_id"] != container_id:
@@ -101,10 +120,12 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
         if header.get("top_k") not in (None, top_k):
             raise ModelError(f"trace {path} was recorded with top_k={header.get('top_k')}, the container has {top_k}")
         files.append(str(path))
-        for step in lines:
+        for step, shape in lines:
             if not isinstance(step, dict):
                 raise UsageError(f"{path} is not a zipmoe trace (a step is not an object)")
             steps += 1
+            is_decode = isinstance(shape, list) and len(shape) == 2 and shape[1] == 1
+            decode_steps += is_decode
             for key, rows in step.items():
                 try:
                     layer = int(key)
@@ -123,14 +144,19 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
                     if a.min() < 0 or a.max() >= num_experts:
                         raise ModelError(f"trace {path} names expert {int(a.max())}, the model has {num_experts} per layer")
                     np.add.at(c, a, 1)
+                    if is_decode:
+                        np.add.at(decode[layer], a, 1)
                     tokens[layer] += 1
     seen = [l for l in layers if counts[l].sum() > 0]
     if not seen:
         raise UsageError(f"no routed tokens in {', '.join(files) or 'the traces'}")
+    basis = "all tokens"
+    if decode_steps >= MIN_DECODE_STEPS and all(decode[l].sum() > 0 for l in seen):
+        counts, basis = decode, "decode steps"
     rank_p = {l: rank_distribution(counts[l], alpha) for l in seen}
     mean = np.mean([rank_p[l] for l in seen], axis=0)
     mean /= mean.sum()
     for l in layers:
         rank_p.setdefault(l, mean.copy())
     return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, "trace",
-                           tokens=max(tokens.values()), files=files, steps=steps)
+                           tokens=max(tokens.values()), files=files, steps=steps, decode_steps=decode_steps, basis=basis)

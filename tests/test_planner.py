@@ -124,6 +124,36 @@ def test_from_traces_ranks_by_popularity_not_id(tmp_path):
         from_traces([t], container_id="abc", num_experts=16, top_k=2, layers=[0, 1])
 
 
+def test_from_traces_counts_decode_steps_when_the_trace_marks_them(tmp_path):
+    """A prompt spreads over every expert, decoding keeps to two: the plan is for output tokens,
+    so a trace that marks its steps' input shapes is counted from its decode steps alone."""
+    E, k = 8, 2
+
+    def write(path, mark: bool, decode_steps: int):
+        with open(path, "w") as f:
+            f.write(json.dumps({"container_id": "abc", "num_layers": 1, "num_experts": E, "top_k": k, "layers": [0]}) + "\n")
+            for _ in range(4):  # four prompts of 40 tokens over all experts, then decode on experts 5 and 6
+                prefill = {"layers": {"0": [[i % E, (i + 1) % E] for i in range(40)]}}
+                if mark:
+                    prefill["input"] = [1, 40]
+                f.write(json.dumps(prefill) + "\n")
+                for _ in range(decode_steps):
+                    step = {"layers": {"0": [[5, 6]]}}
+                    if mark:
+                        step["input"] = [1, 1]
+                    f.write(json.dumps(step) + "\n")
+        return path
+
+    st = from_traces([write(tmp_path / "m.jsonl", True, 8)], container_id="abc", num_experts=E, top_k=k, layers=[0])
+    assert st.basis == "decode steps" and st.decode_steps == 32 and st.summary()["decode_steps"] == 32
+    assert st.rank_p[0][:2].sum() > 0.95  # the two decode experts take (nearly) every selection
+    old = from_traces([write(tmp_path / "o.jsonl", False, 8)], container_id="abc", num_experts=E, top_k=k, layers=[0])
+    assert old.basis == "all tokens" and old.decode_steps == 0
+    assert old.rank_p[0][:2].sum() < 0.5  # the prompts' 320 selections spread over all 8
+    few = from_traces([write(tmp_path / "f.jsonl", True, 2)], container_id="abc", num_experts=E, top_k=k, layers=[0])
+    assert few.basis == "all tokens" and few.decode_steps == 8  # below MIN_DECODE_STEPS
+
+
 def test_search_beats_every_single_pool_plan_on_a_skewed_trace(tmp_path):
     E, k, layers = 16, 2, [0, 1, 2, 3]
     t = _write_trace(tmp_path / "t.jsonl", "abc", layers, E, k, 2000, skew=1.2)

@@ -209,6 +209,9 @@ def test_trace_records_every_step(tmp_path_factory, tmp_path):
     assert set(layers) == {str(x) for x in header["layers"]}
     enc = str(header["layers"][0])
     assert len(layers[enc]) == batch["input_ids"].numel() and all(len(x) <= 1 for x in layers[enc])
+    # each step carries its input's [batch, sequence] (the planner counts decode steps by it)
+    _, marked = read_trace(out, with_input=True)
+    assert [shape for _, shape in marked] == [list(batch["input_ids"].shape)] * 2
     with pytest.raises(ModelError):
         read_trace(out, container_id="other")
     rt.close()

@@ -231,8 +231,10 @@ def plan(
                   "pass --trace or --calibrate for a plan that follows real routing[/yellow]")
     else:
         s = stats.summary()
-        con.print(f"activations: {s['tokens']} tokens from {len(s['files'])} trace(s); top-{s['top_k']} ranks take "
-                  f"{100 * s['top_k_share']:.0f}% of selections (uniform: {100 * s['top_k'] / s['num_experts']:.0f}%)")
+        basis = (f"its {s['decode_steps']} decode steps (prompts left out: the plan is for output tokens)"
+                 if s["basis"] == "decode steps" else "all of them")
+        con.print(f"activations: {s['tokens']} tokens from {len(s['files'])} trace(s), counted from {basis}; top-{s['top_k']} "
+                  f"ranks take {100 * s['top_k_share']:.0f}% of selections (uniform: {100 * s['top_k'] / s['num_experts']:.0f}%)")
     con.print(f"costs ({result['profile']['source']}, {result['profile']['disk_method']}): disk "
               f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
