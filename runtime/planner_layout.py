@@ -50,6 +50,7 @@ class ContainerLayout:
     decode_layers: list[int] | None = None  # sparse layers a decode step runs (seq2seq: the decoder's)
     compute_itemsize: int = 2  # bytes per value the experts compute with (bf16 2, float32 4)
     dtype: str = "bfloat16"
+    chunks: list[int] | None = None  # per unit: the mean expert's stored E chunks (None: 1 each)
 
     def __post_init__(self) -> None:
         if self.decode_layers is None:
@@ -57,8 +58,10 @@ class ContainerLayout:
 
     @property
     def tensors(self) -> list[tuple[int, int, int]]:
-        """schedule_model ``tensors``: (nbytes, e_bytes, sm_bytes) per compute tensor of one expert."""
-        return [(nb, eb, sb) for _, _, nb, eb, sb in self.units]
+        """schedule_model ``tensors``: (nbytes, e_bytes, sm_bytes, chunks) per compute tensor of one
+        expert (``chunks``: its stored E chunks, the decode jobs the runtime splits it into)."""
+        chunks = self.chunks or [1] * len(self.units)
+        return [(nb, eb, sb, c) for (_, _, nb, eb, sb), c in zip(self.units, chunks)]
 
     @property
     def slot_bytes(self) -> dict[str, int]:
@@ -145,11 +148,12 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     # the mean expert, unit by unit
     n = len(experts)
     names = [u for u, _ in family.units]
-    units = []
+    units, chunks = [], []
     for j, name in enumerate(names):
         ts = [ts[j] for ts in experts.values()]
         units.append((name, ts[0].shape, round(sum(t.full_bytes for t in ts) / n),
                       round(sum(t.e_bytes for t in ts) / n), round(sum(t.sm_bytes for t in ts) / n)))
+        chunks.append(max(1, round(sum(len(sg.e_chunks) for t in ts for sg in t.segments) / n)))
     dtype_name, itemsize = resolve_dtype(dtype, reader.config or {})
     cuda = str(device).startswith("cuda")
     # runtime.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
@@ -172,5 +176,5 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
         top_k=top_k, sparse_layers=sparse_layers, dense_bytes=dense_bytes, dense_matmul_bytes=dense_mm,
         units=units, expert_full_bytes=sum(u[2] for u in units), expert_working=working, max_segment=max_seg,
         total_expert_full=sum(itemsize * t.numel for ts in experts.values() for t in ts),
-        decode_layers=list(decode_layers), compute_itemsize=itemsize, dtype=dtype_name,
+        decode_layers=list(decode_layers), compute_itemsize=itemsize, dtype=dtype_name, chunks=chunks,
     )

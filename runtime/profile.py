@@ -327,7 +327,82 @@ def load_kwargs(dtype: str) -> dict:
     return {} if dtype in ("bfloat16", "bf16") else {"dtype": dtype}
 
 
-def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8) -> dict:
+def _miss_pass(model, rt, prompt, tokens: int) -> dict:
+    """Decode ``tokens`` steps with the cache emptied before each: every chosen expert is read,
+    decompressed and merged as serving does it. Returns the runtime's counters of those steps
+    (mean layer makespan, experts per layer, reads of misses: count, bytes, seconds)."""
+    import torch
+
+    from .counters import delta
+
+    snaps: list[dict] = []
+    puts = [0]
+
+    class _Empty:  # a streamer: between two forward steps, forget every cached expert
+        def put(self, _v):
+            rt.cache.clear()
+            puts[0] += 1
+            if puts[0] == 2:  # put() gets the prompt, then the prefill's token: decode steps from here
+                snaps.append(rt.counters.snapshot())
+
+        def end(self):
+            pass
+
+    with torch.inference_mode():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+                       max_new_tokens=tokens + 1, streamer=_Empty())
+    d = delta(rt.counters.snapshot(), snaps[0])
+    lm = d["layer_makespan_s"]
+    layer_calls = max(1, sum(v[1] for v in lm.values()))
+    reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
+    return {
+        "steps": tokens,
+        "layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
+        "experts_per_layer": int(d["expert_calls"]) / layer_calls,
+        "reads": int(reads), "read_bytes": int(read_bytes), "read_s": float(read_s),
+    }
+
+
+def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window: int | None,
+                      layer_overhead: float = 0.0) -> dict:
+    """What the runtime adds, while serving, to the costs measured alone (``_miss_pass``'s counters):
+
+    * ``disk_latency``: per read, the O_DIRECT latency plus what the runtime's reads took beyond
+      ``latency + bytes / bw`` on average (its I/O thread shares the interpreter with the
+      decode workers and the serving thread);
+    * ``merge_overhead_s``: per fetched tensor, the overhead that makes the schedule model's
+      layer (every chosen expert a miss) take as long as the measured one: the serving thread's
+      work per tensor (staging buffers, copies and kernel launches, admission to the cache).
+    """
+    from dataclasses import replace
+
+    from .schedule_model import makespan_for_counts
+
+    out = {"disk_latency": costs.disk_latency, "merge_overhead_s": costs.merge_overhead_s}
+    n, nbytes, secs = serving.get("reads", 0), serving.get("read_bytes", 0), serving.get("read_s", 0.0)
+    if n:
+        alone = n * costs.disk_latency + nbytes / costs.disk_bw
+        out["disk_latency"] = costs.disk_latency + max(0.0, (secs - alone) / n)
+    k = int(round(serving.get("experts_per_layer", 0)))
+    if k >= 1 and serving.get("layer_makespan_s"):
+        c = replace(costs, disk_latency=out["disk_latency"])
+        target = serving["layer_makespan_s"] - layer_overhead
+
+        def layer(extra: float) -> float:
+            return makespan_for_counts({"none": k}, tensors, workers, replace(c, merge_overhead_s=c.merge_overhead_s + extra), window)
+
+        excess = target - layer(0.0)
+        if excess > 0:  # the per-tensor overhead that makes the model's layer take as long (bisection:
+            lo, hi = 0.0, excess  # the makespan grows with it, by at least the overhead itself)
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if layer(mid) < target else (lo, mid)
+            out["merge_overhead_s"] = costs.merge_overhead_s + (lo + hi) / 2
+    return out
+
+
+def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
+                    miss_tokens: int = 6) -> dict:
     """Serve a few greedy tokens through the runtime and read its counters.
 
     Gives what a micro-benchmark cannot: the expert compute as the runtime's hook does it
@@ -404,6 +479,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             # around them (routing bookkeeping, cache touches, the hook): the per-layer overhead
             per_layer_experts = int(d["expert_calls"]) / layer_calls
             out["layer_overhead_s"] = max(0.0, out["layer_makespan_s"] - per_layer_experts * out["compute_s_per_expert"])
+        out["serving"] = _miss_pass(model, rt, prompt, tokens=miss_tokens)
+        out["window"] = rt.window
         return out
     finally:
         try:
@@ -480,6 +557,10 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         prof["costs"]["dense_s_per_token"] = dense_s
     if layer_overhead is not None:
         prof["costs"]["layer_overhead_s"] = layer_overhead
+    serving = (prof.get("runtime") or {}).get("serving")
+    if serving:
+        prof["costs"].update(serving_overheads(costs_of(prof), layout.tensors, serving, workers,
+                                               prof["runtime"].get("window"), layer_overhead or 0.0))
     return prof
 
 

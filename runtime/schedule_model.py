@@ -9,14 +9,23 @@ the device)::
     full        C                                   (nothing to load)
     compressed  D -> M -> C                         Type II (SM cached; E cached compressed)
     sm_only     R(E) -> D -> M -> C                 Type II (SM cached)
-    e_only      R(SM) ─┐                            Type I  (E cached compressed: D needs no
-                D ─────┴─> M -> C                            read and runs while SM is read)
+    e_only      R(SM) -> D -> M -> C                Type I  (E cached compressed; the runtime
+                                                            decompresses once the SM bytes are
+                                                            in: its decode jobs also copy them to
+                                                            the staging buffer)
     none        R(E+SM) -> D -> M -> C              Type I  (one read of the tensor's extent:
                                                             the container stores E and SM of a
                                                             tensor contiguously)
 
 Resources: one I/O channel (the disk, one request at a time), ``L`` CPU decode workers, and
 one device that runs merges and computes one after the other.
+
+Decompression is split as the runtime splits it: with more than one worker, a tensor's
+decompression is ``Task.chunks`` jobs (one per stored E chunk, each ``1/chunks`` of the work),
+which the idle workers share, and the tensor is decompressed when its last job ends. (Until
+30 Nov the model ran each tensor's decompression as one job and let an ``e_only`` tensor
+decompress while its SM bytes were read; the runtime does neither, and the model overcharged
+misses against ``e_only`` hits by about 2x on the GPU: docs/benchmarks.md §7.)
 
 ``Costs.merge_on_workers=True`` models the CPU runtime (runtime.scheduler on a CPU device): the
 worker that decompresses a tensor merges it in the same job (decompress+merge is one worker op,
@@ -28,7 +37,7 @@ Public API (exact signatures)::
 
     STATES = ("full", "compressed", "sm_only", "e_only", "none")
     Task(state: str, nbytes: int, e_bytes: int, sm_bytes: int | None = None,
-         expert: Hashable | None = None)
+         expert: Hashable | None = None, chunks: int = 1)
     Costs(disk_bw: float, disk_latency: float, decomp_bw_per_worker: float, merge_bw: float,
           compute_s_per_expert: float, decomp_overhead_s: float = 0.0,
           merge_overhead_s: float = 0.0, merge_on_workers: bool = False)
@@ -37,7 +46,7 @@ Public API (exact signatures)::
     schedule(tasks, L: int, costs, window: int | None = None) -> Schedule   # every op's start/end
     simulate(tasks, L: int, costs, window: int | None = None) -> float     # makespan in seconds
     lower_bound(tasks, L: int, costs) -> float         # a lower bound on any schedule's makespan
-    layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]]) -> list[Task]
+    layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, ...]]) -> list[Task]
     makespan_for_counts(counts, tensors, L, costs, window=None) -> float  (memoised simulate of layer_tasks)
 
 What the numbers count (normative; runtime.profile measures exactly these):
@@ -94,10 +103,13 @@ class Task:
     e_bytes: int  # stored compressed E bytes
     sm_bytes: int | None = None  # stored SM bytes (numel); None -> nbytes // 2
     expert: Hashable | None = None  # tensors with the same key compute together; None -> alone
+    chunks: int = 1  # decompression jobs the runtime splits it into (its E chunks) when L > 1
 
     def __post_init__(self) -> None:
         if self.state not in _CLASS:
             raise ValueError(f"unknown state {self.state!r}; expected one of {', '.join(STATES)}")
+        if int(self.chunks) < 1:
+            raise ValueError("Task.chunks must be at least 1")
         if self.sm_bytes is None:
             object.__setattr__(self, "sm_bytes", self.nbytes // 2)
         if self.nbytes < 0 or self.e_bytes < 0 or self.sm_bytes < 0:
@@ -168,9 +180,10 @@ class Schedule:
 
     makespan: float
     read: list[tuple[float, float] | None] = field(default_factory=list)
-    decomp: list[tuple[float, float, int] | None] = field(default_factory=list)  # (start, end, worker)
+    decomp: list[tuple[float, float, int] | None] = field(default_factory=list)  # (first start, last end, worker of the last job)
     merge: list[tuple[float, float] | None] = field(default_factory=list)
     compute: dict[Hashable, tuple[float, float]] = field(default_factory=dict)
+    jobs: list[tuple[float, float, int, int]] = field(default_factory=list)  # every decompression job: (start, end, worker, task)
 
 
 def _group_keys(tasks: Sequence[Task]) -> list[Hashable]:
@@ -196,6 +209,8 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     for p, i in enumerate(pri):
         rank[i] = p
     dur = [durations(t, costs) for t in tasks]
+    pieces = [_pieces(t, L) for t in tasks]
+    left = list(pieces)  # decompression jobs of each task not yet finished
     gkeys = _group_keys(tasks)
     members: dict[Hashable, list[int]] = {}
     for i, g in enumerate(gkeys):
@@ -208,11 +223,15 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     ready_merge: list[tuple[int, int]] = []
     ready_compute: list[tuple[int, int, Hashable]] = []
     decomp_done = [False] * n
-    sm_here = [t.state != "e_only" for t in tasks]  # e_only waits for its SM read before merging
 
     fused = costs.merge_on_workers  # decompress+merge is one worker job, needing E and SM
     if fused:
         dur = [(r, d + m, 0.0) for r, d, m in dur]
+    job = [_job_s(dur[i][1], pieces[i], costs) for i in range(n)]
+
+    def push_decomp(i: int) -> None:
+        for _ in range(pieces[i]):
+            heapq.heappush(ready_decomp, (rank[i], i))
     gid = {g: k for k, g in enumerate(members)}
     to_issue = sorted((g for g in members if pending[g] > 0), key=lambda g: grank[g])
     issued: set = set()
@@ -225,8 +244,8 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
             slots -= 1
             issued.add(g)
             for i in sorted(members[g], key=lambda i: rank[i]):
-                if tasks[i].state == "compressed" or (tasks[i].state == "e_only" and not fused):
-                    heapq.heappush(ready_decomp, (rank[i], i))
+                if tasks[i].state == "compressed":
+                    push_decomp(i)
 
     issue_next()
     for g in members:
@@ -242,7 +261,7 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     end = 0.0
 
     def merge_ready(i: int) -> None:
-        if decomp_done[i] and sm_here[i]:
+        if decomp_done[i]:
             heapq.heappush(ready_merge, (rank[i], i))
 
     while True:
@@ -258,8 +277,10 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
         while free_workers and ready_decomp:
             _, i = heapq.heappop(ready_decomp)
             w = free_workers.pop()
-            d = dur[i][1]
-            sched.decomp[i] = (now, now + d, w)
+            d = job[i]
+            first = sched.decomp[i][0] if sched.decomp[i] is not None else now
+            sched.decomp[i] = (first, now + d, w)
+            sched.jobs.append((now, now + d, w, i))
             heapq.heappush(events, (now + d, seq, "decomp", i, w))
             seq += 1
         if device_free and (ready_compute or ready_merge):
@@ -284,14 +305,12 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
             end = max(end, now)
             if kind == "read":
                 disk_free = True
-                st = tasks[i].state
-                if st == "e_only" and not fused:
-                    sm_here[i] = True
-                    merge_ready(i)
-                else:  # none, sm_only (and fused e_only): the worker job can start
-                    heapq.heappush(ready_decomp, (rank[i], i))
+                push_decomp(i)  # none, sm_only, e_only: the worker jobs can start
             elif kind == "decomp":
                 free_workers.append(payload)  # type: ignore[arg-type]
+                left[i] -= 1
+                if left[i]:
+                    continue
                 decomp_done[i] = True
                 if fused:  # merged too: the tensor is whole
                     sched.merge[i] = (now, now)
@@ -321,11 +340,31 @@ def simulate(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     return schedule(tasks, L, costs, window).makespan
 
 
-def _pre_merge(t: Task, d: tuple[float, float, float], fused: bool = False) -> float:
+def _pieces(t: Task, L: int) -> int:
+    """Decompression jobs of ``t``: its chunks when there is more than one worker (the runtime
+    splits only then), else one."""
+    return max(1, int(t.chunks)) if L > 1 and t.state != "full" else 1
+
+
+def _job_s(decomp_s: float, pieces: int, costs: Costs) -> float:
+    """One decompression job of a task split in ``pieces`` (each pays the per-job overhead)."""
+    if pieces <= 1 or decomp_s <= 0:
+        return decomp_s
+    return (decomp_s - costs.decomp_overhead_s) / pieces + costs.decomp_overhead_s
+
+
+def _fastest_decomp(t: Task, d: tuple[float, float, float], L: int, costs: Costs) -> float:
+    """The least time ``t``'s decompression can take: its jobs spread over the workers."""
+    p = _pieces(t, L)
+    return _job_s(d[1], p, costs) * -(-p // L)
+
+
+def _pre_merge(t: Task, d: tuple[float, float, float], fused: bool = False, L: int = 1,
+               costs: Costs | None = None) -> float:
     """Earliest time the task's merge can start (with ``fused``: its worker job end), alone."""
     r, dc, _ = d
-    if t.state == "e_only" and not fused:
-        return max(r, dc)
+    if costs is not None:
+        dc = _fastest_decomp(t, d, L, costs)
     return r + dc
 
 
@@ -357,15 +396,15 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
         groups.setdefault(g, []).append(i)
 
     disk = sum(dur[i][0] for i in range(len(tasks)))
-    decode = sum(dur[i][1] for i in range(len(tasks))) / L
+    decode = sum(_pieces(t, L) * _job_s(dur[i][1], _pieces(t, L), costs) for i, t in enumerate(tasks)) / L
     device = sum(dur[i][2] for i in range(len(tasks))) + c * len(groups)
 
     chain = 0.0
     for ms in groups.values():
         loaded = [i for i in ms if tasks[i].state != "full"]
         if loaded:
-            per = max(_pre_merge(tasks[i], dur[i], fused) + dur[i][2] for i in loaded)
-            serial = min(_pre_merge(tasks[i], dur[i], fused) for i in loaded) + sum(dur[i][2] for i in loaded)
+            per = max(_pre_merge(tasks[i], dur[i], fused, L, costs) + dur[i][2] for i in loaded)
+            serial = min(_pre_merge(tasks[i], dur[i], fused, L, costs) for i in loaded) + sum(dur[i][2] for i in loaded)
             chain = max(chain, max(per, serial) + c)
         else:
             chain = max(chain, c)
@@ -375,38 +414,39 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
     if readers:
         tails = []
         for i in readers:
-            _, dc, m = dur[i]
-            tails.append((m if tasks[i].state == "e_only" and not fused else dc + m) + c)
+            _, _, m = dur[i]
+            tails.append(_fastest_decomp(tasks[i], dur[i], L, costs) + m + c)
         bounds.append(disk + min(tails))
     loaded_all = [i for i, t in enumerate(tasks) if t.state != "full"]
     if loaded_all and len(loaded_all) == len(tasks):
-        bounds.append(device + min(_pre_merge(tasks[i], dur[i], fused) for i in loaded_all))
+        bounds.append(device + min(_pre_merge(tasks[i], dur[i], fused, L, costs) for i in loaded_all))
     return max(bounds)
 
 
-def layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]]) -> list[Task]:
+def layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, ...]]) -> list[Task]:
     """The tasks of one sparse layer when ``counts[state]`` chosen experts are in each state.
 
-    ``tensors`` describes one expert: ``(nbytes, e_bytes, sm_bytes)`` per tensor (e.g. gate, up,
-    down). All tensors of an expert share its state (the planner assigns whole experts to a pool).
+    ``tensors`` describes one expert: ``(nbytes, e_bytes, sm_bytes[, chunks])`` per tensor (e.g.
+    gate_up, down; ``chunks``: its stored E chunks, default 1). All tensors of an expert share its
+    state (the planner assigns whole experts to a pool).
     """
     out: list[Task] = []
     e = 0
     for state in STATES:
         for _ in range(int(counts.get(state, 0))):
-            for nb, eb, sb in tensors:
-                out.append(Task(state, int(nb), int(eb), int(sb), expert=e))
+            for nb, eb, sb, *rest in tensors:
+                out.append(Task(state, int(nb), int(eb), int(sb), expert=e, chunks=int(rest[0]) if rest else 1))
             e += 1
     return out
 
 
 @lru_cache(maxsize=65536)
-def _makespan_cached(counts: tuple[int, ...], tensors: tuple[tuple[int, int, int], ...], L: int, costs: Costs,
+def _makespan_cached(counts: tuple[int, ...], tensors: tuple[tuple[int, ...], ...], L: int, costs: Costs,
                      window: int | None) -> float:
     return simulate(layer_tasks(dict(zip(STATES, counts)), tensors), L, costs, window)
 
 
-def makespan_for_counts(counts: Mapping[str, int], tensors: Sequence[tuple[int, int, int]], L: int, costs: Costs,
+def makespan_for_counts(counts: Mapping[str, int], tensors: Sequence[tuple[int, ...]], L: int, costs: Costs,
                         window: int | None = None) -> float:
     """Memoised :func:`simulate` of :func:`layer_tasks` (the planner calls this many times)."""
     key = tuple(int(counts.get(s, 0)) for s in STATES)

@@ -92,6 +92,16 @@ def test_rank_statistics_sort_counts_and_smooth():
     p = rank_distribution(np.array([0, 10, 3, 0]), alpha=0.5)
     assert np.all(np.diff(p) <= 0) and p.sum() == pytest.approx(1.0)
     assert p[0] == pytest.approx(10.5 / 15) and p[-1] > 0
+    # Good-Turing (the default): the experts seen once give the unseen ones their mass (2 of 40
+    # selections here, shared by the four never seen), the seen keep their shares scaled
+    g = rank_distribution(np.array([0, 0, 0, 0, 25, 10, 1, 1, 3]))
+    assert g.sum() == pytest.approx(1.0) and np.all(np.diff(g) <= 0)
+    assert g[0] == pytest.approx(25 / 40 * (1 - 2 / 40)) and g[-1] == pytest.approx(2 / 40 / 4)
+    # ... but at most half a selection each (6 singletons of 20 would give 0.3 to two experts)
+    h = rank_distribution(np.array([0, 12, 2, 0, 1, 1, 1, 1, 1, 1]))
+    assert h[-1] == pytest.approx(0.5 / 20) and h[-1] < h[-3]
+    # every expert seen: nothing moves, the hottest ranks are not flattened
+    assert np.allclose(rank_distribution(np.array([1, 6, 3])), [0.6, 0.3, 0.1])
     u = uniform(8, 2, [0, 1])
     assert u.source == "uniform prior" and np.allclose(u.rank_p[1], 1 / 8)
 
@@ -171,3 +181,27 @@ def test_search_beats_every_single_pool_plan_on_a_skewed_trace(tmp_path):
         assert sum(res.best[p] * slot_bytes[p] for p in POOLS) <= per_layer
         strict += res.best_value < min(singles) * 0.99
     assert strict >= 2  # a mixed plan is clearly better at most budgets
+
+
+def test_serving_overheads_recover_what_the_runtime_adds():
+    """The profile's all-miss pass: reads that took longer than latency + bytes/bw move the
+    latency, and layer time beyond the schedule model becomes a per-tensor overhead."""
+    from dataclasses import replace
+
+    from zipmoe.runtime.profile import serving_overheads
+    from zipmoe.runtime.schedule_model import makespan_for_counts
+
+    base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)
+    tensors = [(4 << 20, 700 << 10, 2 << 20, 2), (2 << 20, 350 << 10, 1 << 20, 1)]
+    true = replace(base, disk_latency=6e-4, merge_overhead_s=3e-4)  # what serving really costs
+    k, steps, layers = 4, 6, 10
+    n = k * len(tensors) * steps * layers
+    nbytes = n // len(tensors) * sum(t[1] + t[2] for t in tensors)
+    serving = {"reads": n, "read_bytes": nbytes, "read_s": n * 6e-4 + nbytes / 1e9,
+               "experts_per_layer": k, "layer_makespan_s": makespan_for_counts({"none": k}, tensors, 4, true, 6)}
+    got = serving_overheads(base, tensors, serving, 4, 6)
+    assert got["disk_latency"] == pytest.approx(6e-4)
+    assert got["merge_overhead_s"] == pytest.approx(3e-4, rel=0.05)
+    # reads as fast as measured alone and layers as the model says: nothing added
+    calm = {**serving, "read_s": n * 1e-4 + nbytes / 1e9, "layer_makespan_s": makespan_for_counts({"none": k}, tensors, 4, base, 6)}
+    assert serving_overheads(base, tensors, calm, 4, 6) == {"disk_latency": pytest.approx(1e-4), "merge_overhead_s": 0.0}

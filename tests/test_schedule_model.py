@@ -46,7 +46,7 @@ def layer_instance(draw):
     for _ in range(draw(st.integers(1, 3))):
         numel = draw(st.integers(1, 1 << 22))
         ratio = draw(st.floats(0.05, 1.0))
-        tensors.append((2 * numel, int(numel * ratio), numel))
+        tensors.append((2 * numel, int(numel * ratio), numel, draw(st.integers(1, 8))))  # chunks as stored
     return layer_tasks(counts, tensors), draw(st.integers(1, 8)), draw(costs_st)
 
 
@@ -78,9 +78,8 @@ def _check_feasible(tasks, L, costs, s):
     for a, b in zip(dev, dev[1:]):
         assert b[0] >= a[1] - eps  # one device, serial
     by_worker = {}
-    for d in s.decomp:
-        if d is not None:
-            by_worker.setdefault(d[2], []).append(d)
+    for d in s.jobs:  # every decompression job: one worker runs one at a time
+        by_worker.setdefault(d[2], []).append(d)
     assert len(by_worker) <= L
     for ds in by_worker.values():
         ds.sort()
@@ -93,7 +92,7 @@ def _check_feasible(tasks, L, costs, s):
             continue
         assert d is not None and m is not None
         assert m[0] >= d[1] - eps
-        if t.state in ("none", "sm_only"):
+        if t.state in ("none", "sm_only", "e_only"):  # the runtime decompresses after the read
             assert d[0] >= r[1] - eps
         if t.state == "e_only":
             assert m[0] >= r[1] - eps
@@ -139,9 +138,10 @@ def test_order_type_one_reads_first_type_two_fills_workers():
     s = schedule(tasks, 2, COSTS)
     first_read = min((r for r in s.read if r), key=lambda r: r[0])
     assert tasks[s.read.index(first_read)].state == "none"
-    # at t=0 both workers are busy: the e_only and the compressed decompressions need no read
+    # at t=0 only the compressed decompression needs no read (the runtime decompresses an
+    # e_only tensor once its SM bytes are in)
     started = sorted(tasks[i].state for i, d in enumerate(s.decomp) if d and d[0] == 0.0)
-    assert started == ["compressed", "e_only"]
+    assert started == ["compressed"]
 
 
 def test_simple_cases_exact():
@@ -153,12 +153,30 @@ def test_simple_cases_exact():
     assert durations(t, c) == pytest.approx((1.5, 2.0, 2.0))
     assert simulate([t], 1, c) == pytest.approx(6.0)
     assert lower_bound([t], 1, c) == pytest.approx(6.0)
-    # e_only: SM read (1 s) overlaps the decompression (2 s)
-    assert simulate([Task("e_only", 2 * 10**6, 5 * 10**5)], 1, c) == pytest.approx(4.5)
+    # e_only: SM read (1 s), then the decompression (2 s), merge (2 s), compute
+    assert simulate([Task("e_only", 2 * 10**6, 5 * 10**5)], 1, c) == pytest.approx(5.5)
     # two compressed tensors of one expert on two workers: decompress in parallel, merge serially
     two = [Task("compressed", 2 * 10**6, 0, expert=0), Task("compressed", 2 * 10**6, 0, expert=0)]
     assert simulate(two, 2, c) == pytest.approx(2 + 2 + 2 + 0.5)
     assert simulate(two, 1, c) == pytest.approx(2 + 2 + 2 + 0.5)  # second decomp hides under first merge
+
+
+def test_decompression_split_in_chunks_as_the_runtime_splits_it():
+    c = Costs(disk_bw=1e6, disk_latency=0.0, decomp_bw_per_worker=1e6, merge_bw=1e6, compute_s_per_expert=0.5)
+    t = Task("none", 2 * 10**6, 5 * 10**5, chunks=4)
+    # four workers share the 2 s of decompression: 1.5 s read, 0.5 s decode, 2 s merge, 0.5 s compute
+    s = schedule([t], 4, c)
+    assert s.makespan == pytest.approx(4.5) and len(s.jobs) == 4 and {j[2] for j in s.jobs} == {0, 1, 2, 3}
+    assert lower_bound([t], 4, c) == pytest.approx(4.5)
+    assert simulate([t], 2, c) == pytest.approx(1.5 + 1 + 2 + 0.5)  # two jobs each on two workers
+    assert simulate([t], 1, c) == pytest.approx(6.0)  # one worker: the runtime does not split
+    # the miss's decode latency after its read drops with more workers; a compressed hit's too
+    tensors = [(2 << 20, 300 << 10, 1 << 20, 3)] * 2
+    for state in ("none", "e_only", "compressed"):
+        times = [makespan_for_counts({state: 1}, tensors, L, COSTS) for L in (1, 2, 4)]
+        assert times[0] > times[1] > times[2]
+    with pytest.raises(ValueError):
+        Task("none", 1, 1, chunks=0)
 
 
 def test_more_workers_never_hurt_layer_instances():

@@ -204,8 +204,12 @@ def plan(
             c = prof["costs"]
             con.print(f"[bold]profile[/bold] ({source}, {where}) for {path.name} on {prof['machine']['hostname']} "
                       f"/ {prof['machine']['cpu_model']} / {prof['machine']['device']}")
-            con.print(f"  disk       {format_size(c['disk_bw'])}/s cold, latency {1e6 * c['disk_latency']:.0f} us "
-                      f"({prof['disk']['method']})")
+            alone = prof["disk"].get("latency_s", c["disk_latency"])
+            serving = c["disk_latency"] - alone
+            con.print(f"  disk       {format_size(c['disk_bw'])}/s cold, latency {1e6 * alone:.0f} us ({prof['disk']['method']})"
+                      + (f" + {1e6 * serving:.0f} us per read while serving" if serving > 0 else ""))
+            if c.get("merge_overhead_s"):
+                con.print(f"  serving    {1e6 * c['merge_overhead_s']:.0f} us of the runtime's own work per fetched tensor")
             con.print(f"  decompress {format_size(c['decomp_bw_per_worker'])}/s bf16 per worker ({prof['decomp']['codec']})")
             con.print(f"  merge      {format_size(c['merge_bw'])}/s bf16 ({prof['merge']['kernel']})")
             con.print(f"  compute    {1e3 * c['compute_s_per_expert']:.3f} ms per expert per token "

@@ -1,0 +1,100 @@
+"""The planner's predictions for the plans measured on the GPU, made again with today's model.
+
+    python benchmarks/replan_gpu_checks.py [RESULTS_DIR]
+
+For each model of a GPU planner run (default: benchmarks/results/2026-11-30-h200-planner/machineD,
+qwen1.5-moe-a2.7b at 8G and olmoe-1b-7b at 4G), from the files that run kept: the plan.json
+(its sizes, budget and the profile measured there), the calibration trace and the
+`planner_check --json-out` rows (measured TPOT and hits of the chosen plan and of "full
+only"). The container layout is rebuilt from the plan's sizes and the presets' shapes (the
+containers themselves stay on the lent machine), the activation statistics come from the trace
+with the current `planner_stats` rules, and the planner then
+
+1. predicts again each plan that was measured (same slots), to compare with the measurement;
+2. plans again at the same budget, to show what it would choose now.
+
+Only the prediction is redone; every measured figure is the run's own. Used in
+docs/benchmarks.md section 7.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from zipmoe.runtime.planner_layout import ContainerLayout
+from zipmoe.runtime.planner_plan import Planner, make_plan
+from zipmoe.runtime.planner_stats import from_traces
+
+STATES = ("full", "compressed", "sm_only", "e_only", "none")
+SHARD = 1 << 20  # exponent bytes per stored E chunk (pack's default shard size, one byte per value)
+# compute tensors of one expert (rows, cols) of the synth presets the GPU runs used
+SHAPES = {
+    "qwen": {"gate_up": (2 * 1408, 2048), "down": (2048, 1408)},  # qwen1.5-moe-a2.7b
+    "olmoe": {"gate_up": (2 * 1024, 2048), "down": (2048, 1024)},  # olmoe-1b-7b
+}
+
+
+def layout_of(plan: dict, shapes: dict) -> ContainerLayout:
+    sl = plan["slots"]
+    layers = list(range(sl["sparse_layers"]))
+    numel = {n: r * c for n, (r, c) in shapes.items()}
+    total = sum(numel.values())
+    e_slot = sl["slot_bytes"]["e_only"]  # E bytes of one expert, as stored
+    units, e_left = [], e_slot
+    for i, (name, shape) in enumerate(shapes.items()):
+        e = e_left if i == len(shapes) - 1 else e_slot * numel[name] // total
+        e_left -= e
+        units.append((name, shape, 2 * numel[name], e, numel[name]))
+    scratch = plan["workers"] * 2 * max(numel.values())
+    chunks = [-(-numel[n] // SHARD) for n in shapes]  # `zipmoe pack` stores E in 1 MiB shards
+    return ContainerLayout(chunks=chunks, path=plan["container"], container_id=plan["container_id"], file_size=0,
+                           num_layers=len(layers), num_experts=sl["experts_per_layer"], top_k=sl["top_k"],
+                           sparse_layers=layers, dense_bytes=plan["dense_bytes"], dense_matmul_bytes=plan["dense_bytes"],
+                           units=units, expert_full_bytes=2 * total,
+                           expert_working=plan["min_budget"] - plan["dense_bytes"] - scratch,
+                           max_segment=max(numel.values()), total_expert_full=len(layers) * sl["experts_per_layer"] * 2 * total)
+
+
+def hits(h: dict) -> str:
+    return "·".join(f"{h[s]:.2f}" for s in STATES)
+
+
+def main(results: Path) -> None:
+    for tag, budget in (("qwen", "8G"), ("olmoe", "4G")):
+        plan = json.loads((results / f"{tag}-plan-{budget}.json").read_text())
+        prof = json.loads((results / f"{tag}-profile.json").read_text())
+        check = json.loads(next(results.glob(f"{tag}-planner-check*-{budget}.json")).read_text())
+        layout = layout_of(plan, SHAPES[tag])
+        stats = from_traces([results / f"{tag}-calib-trace.jsonl"], container_id=plan["container_id"],
+                            num_experts=layout.num_experts, top_k=layout.top_k, layers=layout.sparse_layers)
+        planner = Planner(layout, stats, prof, plan["workers"], plan["window"])
+        print(f"== {tag} at {budget} (statistics: {stats.basis}, {stats.decode_steps} decode steps; "
+              f"dense {1e3 * planner.dense_s:.1f} ms per token as profiled)")
+        print(f"{'plan':10} {'F·C·S·E':>9}  {'run predicted':>13}  {'now predicted':>13}  {'measured':>9}  {'now/meas':>8}"
+              f"  hits F·C·S·E·miss: run predicted | now predicted | measured")
+        for row in check["rows"]:
+            slots = plan["slots"]["per_layer"] if row["plan"] == "chosen" else plan["alternatives"][row["plan"]]["slots"]
+            now = planner.describe(slots)
+            m = row["measured_tpot_s"]
+            print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  {1e3 * row['predicted_tpot_s']:10.1f} ms"
+                  f"  {1e3 * now['expected_tpot_s']:10.1f} ms  {1e3 * m:6.1f} ms  {m / now['expected_tpot_s']:8.2f}"
+                  f"  {hits(row['predicted_hits'])} | {hits(now['expected_hits'])} | {hits(row['measured_hits'])}")
+        d = make_plan(layout, plan["budget"], stats, prof, workers=plan["workers"], device=plan["device"])
+        s = d["slots"]["per_layer"]
+        singles = {k: v["expected_tpot_s"] for k, v in d["alternatives"].items() if k != "no cache"}
+        best = min(singles, key=singles.get)
+        print(f"re-planned: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms; "
+              f"best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
+        print()
+
+
+if __name__ == "__main__":
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "2026-11-30-h200-planner" / "machineD"
+    try:
+        main(where)
+    except (OSError, ValueError, KeyError, StopIteration) as exc:  # a wrong folder: one line
+        what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        sys.exit(f"replan_gpu_checks: error: {what} (give a folder with <model>-plan-<budget>.json, "
+                 "<model>-profile.json, <model>-calib-trace.jsonl and the planner-check JSON)")
