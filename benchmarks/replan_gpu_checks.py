@@ -11,7 +11,10 @@ containers themselves stay on the lent machine), the activation statistics come 
 with the current `planner_stats` rules, and the planner then
 
 1. predicts again each plan that was measured (same slots), to compare with the measurement;
-2. plans again at the same budget, to show what it would choose now.
+2. plans again at the same budget, to show what it would choose now;
+3. cross-checks what the profile's serving pass adds (``runtime.profile.serving_overheads``,
+   which these runs predate): the per-read and per-tensor overheads are fitted on one measured
+   plan's counters and layer time, and the *other* plan is predicted with them.
 
 Only the prediction is redone; every measured figure is the run's own. Used in
 docs/benchmarks.md section 7.
@@ -19,6 +22,7 @@ docs/benchmarks.md section 7.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -57,6 +61,28 @@ def layout_of(plan: dict, shapes: dict) -> ContainerLayout:
                            max_segment=max(numel.values()), total_expert_full=len(layers) * sl["experts_per_layer"] * 2 * total)
 
 
+def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -> dict:
+    """The profile with disk_latency and merge_overhead_s fitted to one measured plan: its reads'
+    time beyond latency + bytes / bw per read, then the per-tensor overhead (bisection) that
+    makes the predicted layer makespan the measured one."""
+    c = prof["costs"]
+    reads = row["counters"]["reads_by_state"].values()
+    n, nbytes, secs = (sum(r[i] for r in reads) for i in range(3))
+    out = copy.deepcopy(prof)
+    out["costs"]["disk_latency"] = c["disk_latency"] + max(0.0, (secs - n * c["disk_latency"] - nbytes / c["disk_bw"]) / n)
+
+    def layer(x: float) -> float:
+        out["costs"]["merge_overhead_s"] = x
+        return Planner(layout, stats, out, plan["workers"], plan["window"]).describe(slots)["expected_layer_makespan_s"]
+
+    lo, hi = 0.0, 0.02
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if layer(mid) < row["measured_layer_s"] else (lo, mid)
+    out["costs"]["merge_overhead_s"] = (lo + hi) / 2
+    return out
+
+
 def hits(h: dict) -> str:
     return "·".join(f"{h[s]:.2f}" for s in STATES)
 
@@ -87,6 +113,21 @@ def main(results: Path) -> None:
         best = min(singles, key=singles.get)
         print(f"re-planned: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms; "
               f"best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
+        rows = {r["plan"]: r for r in check["rows"]}
+        slots_of = {name: plan["slots"]["per_layer"] if name == "chosen" else plan["alternatives"][name]["slots"] for name in rows}
+        for fit, other in ((a, b) for a in rows for b in rows if a != b):
+            fp = fit_serving(layout, stats, prof, plan, rows[fit], slots_of[fit])
+            pred = Planner(layout, stats, fp, plan["workers"], plan["window"]).describe(slots_of[other])
+            m = rows[other]["measured_tpot_s"]
+            print(f"serving overheads fitted on {fit!r} (+{1e6 * (fp['costs']['disk_latency'] - prof['costs']['disk_latency']):.0f} us"
+                  f" per read, {1e6 * fp['costs']['merge_overhead_s']:.0f} us per tensor): {other!r} predicted"
+                  f" {1e3 * pred['expected_tpot_s']:.1f} ms, measured {1e3 * m:.1f} ms ({m / pred['expected_tpot_s']:.2f})")
+            d = make_plan(layout, plan["budget"], stats, fp, workers=plan["workers"], device=plan["device"])
+            s = d["slots"]["per_layer"]
+            singles = {k: v["expected_tpot_s"] for k, v in d["alternatives"].items() if k != "no cache"}
+            best = min(singles, key=singles.get)
+            print(f"  re-planned with them: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms;"
+                  f" best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
         print()
 
 
