@@ -83,6 +83,16 @@ def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -
     return out
 
 
+def replan(label: str, layout, stats, prof: dict, plan: dict) -> None:
+    """Plan again at the run's budget with ``prof``; print the choice against the best single pool."""
+    d = make_plan(layout, plan["budget"], stats, prof, workers=plan["workers"], device=plan["device"])
+    s = d["slots"]["per_layer"]
+    singles = {k: v["expected_tpot_s"] for k, v in d["alternatives"].items() if k != "no cache"}
+    best = min(singles, key=singles.get)
+    print(f"{label}: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms; "
+          f"best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
+
+
 def hits(h: dict) -> str:
     return "·".join(f"{h[s]:.2f}" for s in STATES)
 
@@ -107,12 +117,7 @@ def main(results: Path) -> None:
             print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  {1e3 * row['predicted_tpot_s']:10.1f} ms"
                   f"  {1e3 * now['expected_tpot_s']:10.1f} ms  {1e3 * m:6.1f} ms  {m / now['expected_tpot_s']:8.2f}"
                   f"  {hits(row['predicted_hits'])} | {hits(now['expected_hits'])} | {hits(row['measured_hits'])}")
-        d = make_plan(layout, plan["budget"], stats, prof, workers=plan["workers"], device=plan["device"])
-        s = d["slots"]["per_layer"]
-        singles = {k: v["expected_tpot_s"] for k, v in d["alternatives"].items() if k != "no cache"}
-        best = min(singles, key=singles.get)
-        print(f"re-planned: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms; "
-              f"best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
+        replan("re-planned", layout, stats, prof, plan)
         rows = {r["plan"]: r for r in check["rows"]}
         slots_of = {name: plan["slots"]["per_layer"] if name == "chosen" else plan["alternatives"][name]["slots"] for name in rows}
         for fit, other in ((a, b) for a in rows for b in rows if a != b):
@@ -122,12 +127,7 @@ def main(results: Path) -> None:
             print(f"serving overheads fitted on {fit!r} (+{1e6 * (fp['costs']['disk_latency'] - prof['costs']['disk_latency']):.0f} us"
                   f" per read, {1e6 * fp['costs']['merge_overhead_s']:.0f} us per tensor): {other!r} predicted"
                   f" {1e3 * pred['expected_tpot_s']:.1f} ms, measured {1e3 * m:.1f} ms ({m / pred['expected_tpot_s']:.2f})")
-            d = make_plan(layout, plan["budget"], stats, fp, workers=plan["workers"], device=plan["device"])
-            s = d["slots"]["per_layer"]
-            singles = {k: v["expected_tpot_s"] for k, v in d["alternatives"].items() if k != "no cache"}
-            best = min(singles, key=singles.get)
-            print(f"  re-planned with them: {'·'.join(str(s[p]) for p in STATES[:4])}, predicted {1e3 * d['expected_tpot_s']:.1f} ms;"
-                  f" best single pool {best} {1e3 * singles[best]:.1f} ms ({singles[best] / d['expected_tpot_s']:.2f}x)")
+            replan("  re-planned with them", layout, stats, fp, plan)
         print()
 
 
