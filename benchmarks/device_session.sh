@@ -9,6 +9,7 @@
 #   PIPELINE=planner bash benchmarks/device_session.sh start [SECONDS] GPU tests, qwen 8G plan against full tensors only
 #                                                                      (bench both orders unless AB_BENCH=0, planner
 #                                                                      check), olmoe 4G check; calibration traces kept
+#   PIPELINE=olmoe-planner bash benchmarks/device_session.sh start [SECONDS]   the olmoe 4G check alone
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -159,13 +160,25 @@ planner() {  # issue 5 on the GPU: why qwen's 8G mixed plan measured slower than
     planner_check planner-check-full 300 qwen 8G --alternative "full only"
     mkdir -p $W/qwen-work && cp /tmp/zipmoe-calib-*.jsonl $W/qwen-work/ 2>/dev/null  # the calibration traces, kept
     # olmoe's mixed 4G plan, measured 1.54x its prediction before the cascade and the read fixes
-    export BUDGETS="4G"
+    olmoe_check
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
+olmoe_check() {  # olmoe-1b-7b at 4G: synth, pack, plan (profile and calibration), the plan against full tensors only
+    local H="bash $HL/headline_gpu.sh" W=$WORK
+    export BUDGETS="4G" PLAN_PROMPTS=$HL/prompts4.txt
     step olmoe-synth 300 $H olmoe-synth
     step olmoe-pack 300 $H olmoe-pack
     rm -rf "$W/olmoe-src"
     step olmoe-plan 300 $H olmoe-plan
-    planner_check planner-check 300 olmoe 4G --alternative "full only"
     mkdir -p $W/olmoe-work && cp /tmp/zipmoe-calib-*.jsonl $W/olmoe-work/ 2>/dev/null
+    planner_check planner-check 300 olmoe 4G --alternative "full only"
+}
+
+olmoe_planner() {  # the short one: olmoe's check alone (about 4.5 minutes)
+    env_setup
+    cd $HL
+    olmoe_check
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
@@ -196,6 +209,7 @@ case "$mode" in
     final) final ;;
     qwen) qwen ;;
     planner) planner ;;
+    olmoe-planner) olmoe_planner ;;
     pipeline) pipeline ;;
     watch) follow ;;
     *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;
