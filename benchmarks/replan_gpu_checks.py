@@ -32,6 +32,7 @@ from zipmoe.runtime.planner_plan import Planner, make_plan
 from zipmoe.runtime.planner_stats import from_traces
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
+KEY = "merge_overhead_s"  # the cost the serving figure is fitted into (runtime.profile.serving_overheads)
 SHARD = 1 << 20  # exponent bytes per stored E chunk (pack's default shard size, one byte per value)
 # compute tensors of one expert (rows, cols) of the synth presets the GPU runs used
 SHAPES = {
@@ -62,9 +63,10 @@ def layout_of(plan: dict, shapes: dict) -> ContainerLayout:
 
 
 def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -> dict:
-    """The profile with disk_latency and merge_overhead_s fitted to one measured plan: its reads'
-    time beyond latency + bytes / bw per read, then the per-tensor overhead (bisection) that
-    makes the predicted layer makespan the measured one."""
+    """The profile with the serving figures fitted to one measured plan, by the rule of the
+    profile's serving pass (``runtime.profile.serving_overheads``): ``disk_latency`` from its
+    reads' time beyond latency + bytes / bw, then ``merge_overhead_s``, per fetched tensor
+    (bisection), so that the predicted layer makespan is the measured one."""
     c = prof["costs"]
     reads = row["counters"]["reads_by_state"].values()
     n, nbytes, secs = (sum(r[i] for r in reads) for i in range(3))
@@ -72,14 +74,16 @@ def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -
     out["costs"]["disk_latency"] = c["disk_latency"] + max(0.0, (secs - n * c["disk_latency"] - nbytes / c["disk_bw"]) / n)
 
     def layer(x: float) -> float:
-        out["costs"]["merge_overhead_s"] = x
+        out["costs"][KEY] = x
         return Planner(layout, stats, out, plan["workers"], plan["window"]).describe(slots)["expected_layer_makespan_s"]
 
-    lo, hi = 0.0, 0.02
-    for _ in range(25):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if layer(mid) < row["measured_layer_s"] else (lo, mid)
-    out["costs"]["merge_overhead_s"] = (lo + hi) / 2
+    lo, hi = 0.0, 0.0
+    if layer(0.0) < row["measured_layer_s"]:
+        hi = 0.02
+        for _ in range(25):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if layer(mid) < row["measured_layer_s"] else (lo, mid)
+    out["costs"][KEY] = (lo + hi) / 2
     return out
 
 
@@ -95,6 +99,38 @@ def replan(label: str, layout, stats, prof: dict, plan: dict) -> None:
 
 def hits(h: dict) -> str:
     return "·".join(f"{h[s]:.2f}" for s in STATES)
+
+
+def fresh_run(results: Path) -> None:
+    """The run made with the serving pass (machine E): its profile's serving figures turned into
+    costs by today's rule, the measured plans predicted again, and the budget planned again."""
+    from zipmoe.runtime.profile import serving_overheads
+
+    plan = json.loads((results / "olmoe-plan-4G.json").read_text())
+    prof = json.loads((results / "olmoe-profile.json").read_text())
+    check = json.loads((results / "olmoe-planner-check-4G.json").read_text())
+    layout = layout_of(plan, SHAPES["olmoe"])
+    stats = from_traces([results / "olmoe-calib-trace.jsonl"], container_id=plan["container_id"],
+                        num_experts=layout.num_experts, top_k=layout.top_k, layers=layout.sparse_layers)
+    prof["costs"]["disk_latency"] = prof["disk"]["latency_s"]  # as measured alone
+    prof["costs"].pop("merge_overhead_s", None)
+    from zipmoe.runtime.profile import costs_of
+
+    prof["costs"].update(serving_overheads(costs_of(prof), layout.tensors, prof["runtime"]["serving"], plan["workers"],
+                                           prof["runtime"].get("window"), prof["costs"].get("layer_overhead_s", 0.0)))
+    planner = Planner(layout, stats, prof, plan["workers"], plan["window"])
+    print(f"== olmoe at 4G, fresh run (serving pass by today's rule: +{1e6 * (prof['costs']['disk_latency'] - prof['disk']['latency_s']):.0f} us"
+          f" per read, {1e6 * prof['costs']['merge_overhead_s']:.0f} us per fetched tensor)")
+    for row in check["rows"]:
+        slots = plan["slots"]["per_layer"] if row["plan"] == "chosen" else plan["alternatives"][row["plan"]]["slots"]
+        now = planner.describe(slots)
+        m = row["measured_tpot_s"]
+        print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  run predicted {1e3 * row['predicted_tpot_s']:.1f} ms"
+              f"  now {1e3 * now['expected_tpot_s']:.1f} ms  measured {1e3 * m:.1f} ms ({m / now['expected_tpot_s']:.2f})"
+              f"  hits now {hits(now['expected_hits'])} | measured {hits(row['measured_hits'])}")
+    replan("re-planned", layout, stats, prof, plan)
+    for name, alt in plan["alternatives"].items():
+        print(f"  {name:16} {1e3 * planner.describe(alt['slots'])['expected_tpot_s']:7.1f} ms now (the run predicted {1e3 * alt['expected_tpot_s']:.1f} ms)")
 
 
 def main(results: Path) -> None:
@@ -124,17 +160,20 @@ def main(results: Path) -> None:
             fp = fit_serving(layout, stats, prof, plan, rows[fit], slots_of[fit])
             pred = Planner(layout, stats, fp, plan["workers"], plan["window"]).describe(slots_of[other])
             m = rows[other]["measured_tpot_s"]
-            print(f"serving overheads fitted on {fit!r} (+{1e6 * (fp['costs']['disk_latency'] - prof['costs']['disk_latency']):.0f} us"
-                  f" per read, {1e6 * fp['costs']['merge_overhead_s']:.0f} us per tensor): {other!r} predicted"
+            print(f"serving figures fitted on {fit!r} (+{1e6 * (fp['costs']['disk_latency'] - prof['costs']['disk_latency']):.0f} us"
+                  f" per read, {1e6 * fp['costs'][KEY]:.0f} us per fetched tensor): {other!r} predicted"
                   f" {1e3 * pred['expected_tpot_s']:.1f} ms, measured {1e3 * m:.1f} ms ({m / pred['expected_tpot_s']:.2f})")
             replan("  re-planned with them", layout, stats, fp, plan)
         print()
 
 
 if __name__ == "__main__":
-    where = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "results" / "2026-11-30-h200-planner" / "machineD"
+    base = Path(__file__).parent / "results" / "2026-11-30-h200-planner"
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else base / "machineD"
     try:
         main(where)
+        if len(sys.argv) == 1:
+            fresh_run(base / "machineE")
     except (OSError, ValueError, KeyError, StopIteration) as exc:  # a wrong folder: one line
         what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         sys.exit(f"replan_gpu_checks: error: {what} (give a folder with <model>-plan-<budget>.json, "

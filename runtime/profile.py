@@ -372,7 +372,14 @@ def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window
       decode workers and the serving thread);
     * ``merge_overhead_s``: per fetched tensor, the overhead that makes the schedule model's
       layer (every chosen expert a miss) take as long as the measured one: the serving thread's
-      work per tensor (staging buffers, copies and kernel launches, admission to the cache).
+      work per tensor (staging buffers, copies and kernel launches, hand-offs between threads,
+      admission to the cache).
+
+    It is charged to every fetched tensor, also to those that read nothing (compressed hits),
+    which is what the GPU measurements of 30 Nov support: a plan with 2 compressed hits per
+    layer measured 1.43x slower than full tensors only, and charging the overhead to reads alone
+    predicted the two level. Fitted where every expert is a miss, it may overcharge compressed
+    hits (docs/benchmarks.md §7).
     """
     from dataclasses import replace
 
