@@ -59,9 +59,26 @@ class Planner:
             self.dense_s = layout.dense_matmul_bytes / bps if bps > 0 else 0.0
             self.dense_source = "estimate"
 
+        fetching = profile.get("costs", {}).get("dense_s_per_token_fetching")
+        self.dense_fetching_s = max(self.dense_s, float(fetching)) if fetching is not None else self.dense_s
+
     def sparse_s(self, slots: dict[str, int]) -> float:
         """Expected seconds of all sparse layers for one output token."""
         return float(self.layers.expected(slots).sum())
+
+    def dense_for(self, hits) -> float:
+        """The time outside the sparse layers for a plan whose expected hits per state are ``hits``
+        (POOL_ORDER): between the profile's dense time with every expert resident and while every
+        expert is fetched, by the share of chosen experts fetched (on few cores the decode workers
+        take cores from the dense part while they work)."""
+        k = max(1e-12, float(sum(hits)))
+        fetched = float(sum(hits)) - float(hits[0])  # everything but the full pool
+        return self.dense_s + (self.dense_fetching_s - self.dense_s) * fetched / k
+
+    def tpot_s(self, slots: dict[str, int]) -> float:
+        """Expected seconds per output token of a plan (the search's objective)."""
+        per_layer = self.layers.expected(slots) + self.layer_overhead
+        return float(per_layer.sum()) + self.dense_for(self.layers.hits(slots).mean(axis=0))
 
     def describe(self, slots: dict[str, int]) -> dict:
         per_layer = self.layers.expected(slots) + self.layer_overhead
@@ -74,7 +91,8 @@ class Planner:
             "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
             "expected_layer_makespan_s": float(per_layer.mean()),
             "expected_sparse_s_per_token": float(per_layer.sum()),
-            "expected_tpot_s": float(per_layer.sum() + self.dense_s),
+            "expected_dense_s_per_token": self.dense_for(hits),
+            "expected_tpot_s": float(per_layer.sum() + self.dense_for(hits)),
         }
 
 
@@ -93,7 +111,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.decode_layers)
     per_layer = pool_bytes // n
-    res = search(planner.sparse_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
+    res = search(planner.tpot_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
                  experts=layout.num_experts)
     chosen = planner.describe(res.best)
     alternatives = {}
@@ -111,6 +129,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "codec": profile.get("decomp", {}).get("codec"),
         "costs": dict(profile["costs"]),
         "dense_s_per_token": planner.dense_s,
+        "dense_s_per_token_fetching": planner.dense_fetching_s,
         "dense_source": planner.dense_source,
         "layer_overhead_s": planner.layer_overhead,
     }

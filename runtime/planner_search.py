@@ -6,8 +6,9 @@ order). A slot costs, per pool, the bytes of one average expert in that form (``
 full = bf16 bytes, compressed = E + SM as stored, sm_only = SM, e_only = E). Every sparse
 layer gets the same slots, so a plan costs ``sum_pool slots * slot_bytes * layers`` bytes.
 
-Objective: the expected time per output token's sparse layers, ``sum_l E[makespan_l]``
-(runtime.planner_model.LayerSet.expected).
+Objective: the expected time per output token, ``sum_l E[makespan_l]``
+(runtime.planner_model.LayerSet.expected) plus the plan's time outside the sparse layers
+(runtime.planner_plan.Planner.tpot_s: it grows with the share of experts fetched).
 
 Search:
 

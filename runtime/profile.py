@@ -28,6 +28,10 @@ What is measured (each exactly what runtime.schedule_model.Costs counts):
   kernels, which any other load on the machine slows). Where the runtime cannot
   load the model, ``runtime.error`` says why and the planner estimates the dense time from the
   GEMV throughput.
+* ``runtime.serving`` (6 decode steps with every expert fetched) also gives
+  ``costs.dense_s_per_token_fetching``, the time outside the sparse layers while experts are
+  being fetched: on few cores the decode workers share them with the dense part. The planner
+  takes the dense time of a plan between the two, by the share of chosen experts it fetches.
 * Before measuring, ``os.sync()``: pending writes (a ``zipmoe pack`` just before leaves
   gigabytes of dirty pages) would share the disk and the cores with the measurement. On the
   H200 box a profile taken seconds after packing qwen1.5-moe-a2.7b measured 140 ms of dense time
@@ -336,13 +340,13 @@ def _miss_pass(model, rt, prompt, tokens: int) -> dict:
     from .counters import delta
 
     snaps: list[dict] = []
-    puts = [0]
+    stamps: list[float] = []
 
     class _Empty:  # a streamer: between two forward steps, forget every cached expert
         def put(self, _v):
             rt.cache.clear()
-            puts[0] += 1
-            if puts[0] == 2:  # put() gets the prompt, then the prefill's token: decode steps from here
+            stamps.append(time.perf_counter())
+            if len(stamps) == 2:  # put() gets the prompt, then the prefill's token: decode steps from here
                 snaps.append(rt.counters.snapshot())
 
         def end(self):
@@ -355,8 +359,13 @@ def _miss_pass(model, rt, prompt, tokens: int) -> dict:
     lm = d["layer_makespan_s"]
     layer_calls = max(1, sum(v[1] for v in lm.values()))
     reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
+    steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    # the time outside the sparse layers while every expert is fetched: on few cores the decode
+    # workers share them with the dense part's threads
+    dense = float(np.median(steps)) - sum(v[0] for v in lm.values()) / max(1, len(steps)) if steps else None
     return {
         "steps": tokens,
+        "dense_s_per_token": None if dense is None else max(0.0, dense),
         "layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
         "experts_per_layer": int(d["expert_calls"]) / layer_calls,
         "reads": int(reads), "read_bytes": int(read_bytes), "read_s": float(read_s),
@@ -565,6 +574,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     if layer_overhead is not None:
         prof["costs"]["layer_overhead_s"] = layer_overhead
     serving = (prof.get("runtime") or {}).get("serving")
+    if serving and dense_s is not None and serving.get("dense_s_per_token") is not None:
+        prof["costs"]["dense_s_per_token_fetching"] = max(dense_s, serving["dense_s_per_token"])
     if serving:
         prof["costs"].update(serving_overheads(costs_of(prof), layout.tensors, serving, workers,
                                                prof["runtime"].get("window"), layer_overhead or 0.0))

@@ -205,3 +205,34 @@ def test_serving_overheads_recover_what_the_runtime_adds():
     # reads as fast as measured alone and layers as the model says: nothing added
     calm = {**serving, "read_s": n * 1e-4 + nbytes / 1e9, "layer_makespan_s": makespan_for_counts({"none": k}, tensors, 4, base, 6)}
     assert serving_overheads(base, tensors, calm, 4, 6) == {"disk_latency": pytest.approx(1e-4), "merge_overhead_s": 0.0}
+
+
+def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
+    """On few cores the decode workers slow the dense part: the planner takes a plan's dense time
+    between the profile's resident and fetching figures, by the share of experts it fetches, and
+    the search's objective includes it."""
+    from zipmoe.runtime.planner_layout import ContainerLayout
+    from zipmoe.runtime.planner_plan import Planner
+    from zipmoe.runtime.planner_stats import ActivationStats
+
+    E, k, layers = 8, 2, [0, 1]
+    units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]
+    layout = ContainerLayout(path="m.zmoe", container_id="abc", file_size=0, num_layers=2, num_experts=E, top_k=k,
+                             sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
+                             expert_full_bytes=6144, expert_working=20000, max_segment=2048, total_expert_full=2 * E * 6144)
+    p = rank_distribution(np.array([40, 20, 10, 5, 3, 2, 1, 1]))
+    stats = ActivationStats("abc", E, k, layers, {0: p, 1: p}, "trace")
+    costs = {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+             "compute_s_per_expert": 1e-4, "dense_s_per_token": 0.010, "dense_s_per_token_fetching": 0.030}
+    pl = Planner(layout, stats, {"costs": costs}, 1)
+    everything = pl.describe({"full": E, "compressed": 0, "sm_only": 0, "e_only": 0})
+    nothing = pl.describe({"full": 0, "compressed": 0, "sm_only": 0, "e_only": 0})
+    half = pl.describe({"full": 2, "compressed": 0, "sm_only": 0, "e_only": 0})
+    assert everything["expected_dense_s_per_token"] == pytest.approx(0.010)
+    assert nothing["expected_dense_s_per_token"] == pytest.approx(0.030)
+    share = 1 - half["expected_hits"]["full"] / k
+    assert half["expected_dense_s_per_token"] == pytest.approx(0.010 + 0.020 * share)
+    assert pl.tpot_s({"full": 2}) == pytest.approx(half["expected_tpot_s"])
+    # without the fetching figure (older profiles) the dense time is the resident one for every plan
+    old = Planner(layout, stats, {"costs": {k2: v for k2, v in costs.items() if k2 != "dense_s_per_token_fetching"}}, 1)
+    assert old.describe({"full": 0})["expected_dense_s_per_token"] == pytest.approx(0.010)
