@@ -87,6 +87,35 @@ def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -
     return out
 
 
+def load_run(results: Path, tag: str, budget: str):
+    """A run's plan, profile and planner-check rows, the layout rebuilt, the trace's statistics."""
+    plan = json.loads((results / f"{tag}-plan-{budget}.json").read_text())
+    prof = json.loads((results / f"{tag}-profile.json").read_text())
+    check = json.loads(next(results.glob(f"{tag}-planner-check*-{budget}.json")).read_text())
+    layout = layout_of(plan, SHAPES[tag])
+    stats = from_traces([results / f"{tag}-calib-trace.jsonl"], container_id=plan["container_id"],
+                        num_experts=layout.num_experts, top_k=layout.top_k, layers=layout.sparse_layers)
+    return plan, prof, check, layout, stats
+
+
+def slots_of(plan: dict, name: str) -> dict:
+    """The slots of the plan a planner-check row measured (the chosen one or an alternative)."""
+    return plan["slots"]["per_layer"] if name == "chosen" else plan["alternatives"][name]["slots"]
+
+
+def compare(planner: Planner, plan: dict, check: dict) -> None:
+    """Each measured plan: the run's prediction, today's, the measurement, and the hits."""
+    print(f"{'plan':10} {'F·C·S·E':>9}  {'run predicted':>13}  {'now predicted':>13}  {'measured':>9}  {'meas/now':>8}"
+          f"  hits F·C·S·E·miss: run predicted | now predicted | measured")
+    for row in check["rows"]:
+        slots = slots_of(plan, row["plan"])
+        now = planner.describe(slots)
+        m = row["measured_tpot_s"]
+        print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  {1e3 * row['predicted_tpot_s']:10.1f} ms"
+              f"  {1e3 * now['expected_tpot_s']:10.1f} ms  {1e3 * m:6.1f} ms  {m / now['expected_tpot_s']:8.2f}"
+              f"  {hits(row['predicted_hits'])} | {hits(now['expected_hits'])} | {hits(row['measured_hits'])}")
+
+
 def replan(label: str, layout, stats, prof: dict, plan: dict) -> None:
     """Plan again at the run's budget with ``prof``; print the choice against the best single pool."""
     d = make_plan(layout, plan["budget"], stats, prof, workers=plan["workers"], device=plan["device"])
@@ -106,12 +135,7 @@ def fresh_run(results: Path) -> None:
     costs by today's rule, the measured plans predicted again, and the budget planned again."""
     from zipmoe.runtime.profile import serving_overheads
 
-    plan = json.loads((results / "olmoe-plan-4G.json").read_text())
-    prof = json.loads((results / "olmoe-profile.json").read_text())
-    check = json.loads((results / "olmoe-planner-check-4G.json").read_text())
-    layout = layout_of(plan, SHAPES["olmoe"])
-    stats = from_traces([results / "olmoe-calib-trace.jsonl"], container_id=plan["container_id"],
-                        num_experts=layout.num_experts, top_k=layout.top_k, layers=layout.sparse_layers)
+    plan, prof, check, layout, stats = load_run(results, "olmoe", "4G")
     prof["costs"]["disk_latency"] = prof["disk"]["latency_s"]  # as measured alone
     prof["costs"].pop("merge_overhead_s", None)
     from zipmoe.runtime.profile import costs_of
@@ -121,13 +145,7 @@ def fresh_run(results: Path) -> None:
     planner = Planner(layout, stats, prof, plan["workers"], plan["window"])
     print(f"== olmoe at 4G, fresh run (serving pass by today's rule: +{1e6 * (prof['costs']['disk_latency'] - prof['disk']['latency_s']):.0f} us"
           f" per read, {1e6 * prof['costs']['merge_overhead_s']:.0f} us per fetched tensor)")
-    for row in check["rows"]:
-        slots = plan["slots"]["per_layer"] if row["plan"] == "chosen" else plan["alternatives"][row["plan"]]["slots"]
-        now = planner.describe(slots)
-        m = row["measured_tpot_s"]
-        print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  run predicted {1e3 * row['predicted_tpot_s']:.1f} ms"
-              f"  now {1e3 * now['expected_tpot_s']:.1f} ms  measured {1e3 * m:.1f} ms ({m / now['expected_tpot_s']:.2f})"
-              f"  hits now {hits(now['expected_hits'])} | measured {hits(row['measured_hits'])}")
+    compare(planner, plan, check)
     replan("re-planned", layout, stats, prof, plan)
     for name, alt in plan["alternatives"].items():
         print(f"  {name:16} {1e3 * planner.describe(alt['slots'])['expected_tpot_s']:7.1f} ms now (the run predicted {1e3 * alt['expected_tpot_s']:.1f} ms)")
@@ -135,30 +153,16 @@ def fresh_run(results: Path) -> None:
 
 def main(results: Path) -> None:
     for tag, budget in (("qwen", "8G"), ("olmoe", "4G")):
-        plan = json.loads((results / f"{tag}-plan-{budget}.json").read_text())
-        prof = json.loads((results / f"{tag}-profile.json").read_text())
-        check = json.loads(next(results.glob(f"{tag}-planner-check*-{budget}.json")).read_text())
-        layout = layout_of(plan, SHAPES[tag])
-        stats = from_traces([results / f"{tag}-calib-trace.jsonl"], container_id=plan["container_id"],
-                            num_experts=layout.num_experts, top_k=layout.top_k, layers=layout.sparse_layers)
+        plan, prof, check, layout, stats = load_run(results, tag, budget)
         planner = Planner(layout, stats, prof, plan["workers"], plan["window"])
         print(f"== {tag} at {budget} (statistics: {stats.basis}, {stats.decode_steps} decode steps; "
               f"dense {1e3 * planner.dense_s:.1f} ms per token as profiled)")
-        print(f"{'plan':10} {'F·C·S·E':>9}  {'run predicted':>13}  {'now predicted':>13}  {'measured':>9}  {'now/meas':>8}"
-              f"  hits F·C·S·E·miss: run predicted | now predicted | measured")
-        for row in check["rows"]:
-            slots = plan["slots"]["per_layer"] if row["plan"] == "chosen" else plan["alternatives"][row["plan"]]["slots"]
-            now = planner.describe(slots)
-            m = row["measured_tpot_s"]
-            print(f"{row['plan']:10} {'·'.join(str(slots[p]) for p in STATES[:4]):>9}  {1e3 * row['predicted_tpot_s']:10.1f} ms"
-                  f"  {1e3 * now['expected_tpot_s']:10.1f} ms  {1e3 * m:6.1f} ms  {m / now['expected_tpot_s']:8.2f}"
-                  f"  {hits(row['predicted_hits'])} | {hits(now['expected_hits'])} | {hits(row['measured_hits'])}")
+        compare(planner, plan, check)
         replan("re-planned", layout, stats, prof, plan)
         rows = {r["plan"]: r for r in check["rows"]}
-        slots_of = {name: plan["slots"]["per_layer"] if name == "chosen" else plan["alternatives"][name]["slots"] for name in rows}
         for fit, other in ((a, b) for a in rows for b in rows if a != b):
-            fp = fit_serving(layout, stats, prof, plan, rows[fit], slots_of[fit])
-            pred = Planner(layout, stats, fp, plan["workers"], plan["window"]).describe(slots_of[other])
+            fp = fit_serving(layout, stats, prof, plan, rows[fit], slots_of(plan, fit))
+            pred = Planner(layout, stats, fp, plan["workers"], plan["window"]).describe(slots_of(plan, other))
             m = rows[other]["measured_tpot_s"]
             print(f"serving figures fitted on {fit!r} (+{1e6 * (fp['costs']['disk_latency'] - prof['costs']['disk_latency']):.0f} us"
                   f" per read, {1e6 * fp['costs'][KEY]:.0f} us per fetched tensor): {other!r} predicted"
