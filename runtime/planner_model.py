@@ -222,3 +222,8 @@ class LayerSet:
     def hits(self, slots: dict[str, int]) -> np.ndarray:
         """Expected chosen experts per state (POOL_ORDER), per layer: shape [layers, 5]."""
         return self.distribution(slots) @ self.comps
+
+    def evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(expected(slots), hits(slots))`` from one count distribution."""
+        prob = self.distribution(slots)
+        return prob @ self.table.values, prob @ self.comps

@@ -62,10 +62,6 @@ class Planner:
         fetching = profile.get("costs", {}).get("dense_s_per_token_fetching")
         self.dense_fetching_s = max(self.dense_s, float(fetching)) if fetching is not None else self.dense_s
 
-    def sparse_s(self, slots: dict[str, int]) -> float:
-        """Expected seconds of all sparse layers for one output token."""
-        return float(self.layers.expected(slots).sum())
-
     def dense_for(self, hits) -> float:
         """The time outside the sparse layers for a plan whose expected hits per state are ``hits``
         (POOL_ORDER): between the profile's dense time with every expert resident and while every
@@ -75,14 +71,18 @@ class Planner:
         fetched = float(sum(hits)) - float(hits[0])  # everything but the full pool
         return self.dense_s + (self.dense_fetching_s - self.dense_s) * fetched / k
 
+    def _evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer expected makespan (with the layer overhead) and mean hits per state."""
+        expected, hits = self.layers.evaluate(slots)
+        return expected + self.layer_overhead, hits.mean(axis=0)
+
     def tpot_s(self, slots: dict[str, int]) -> float:
         """Expected seconds per output token of a plan (the search's objective)."""
-        per_layer = self.layers.expected(slots) + self.layer_overhead
-        return float(per_layer.sum()) + self.dense_for(self.layers.hits(slots).mean(axis=0))
+        per_layer, hits = self._evaluate(slots)
+        return float(per_layer.sum()) + self.dense_for(hits)
 
     def describe(self, slots: dict[str, int]) -> dict:
-        per_layer = self.layers.expected(slots) + self.layer_overhead
-        hits = self.layers.hits(slots).mean(axis=0)
+        per_layer, hits = self._evaluate(slots)
         sb = self.layout.slot_bytes
         n = len(self.layout.decode_layers)
         return {
