@@ -359,13 +359,10 @@ def _fastest_decomp(t: Task, d: tuple[float, float, float], L: int, costs: Costs
     return _job_s(d[1], p, costs) * -(-p // L)
 
 
-def _pre_merge(t: Task, d: tuple[float, float, float], fused: bool = False, L: int = 1,
-               costs: Costs | None = None) -> float:
-    """Earliest time the task's merge can start (with ``fused``: its worker job end), alone."""
-    r, dc, _ = d
-    if costs is not None:
-        dc = _fastest_decomp(t, d, L, costs)
-    return r + dc
+def _pre_merge(t: Task, d: tuple[float, float, float], L: int, costs: Costs) -> float:
+    """Earliest time the task's merge can start (merged on the workers: its last job's end), alone:
+    its read, then its decompression spread over the workers."""
+    return d[0] + _fastest_decomp(t, d, L, costs)
 
 
 def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
@@ -390,21 +387,21 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
         dur = [(r, d + m, 0.0) for r, d, m in dur]
     gkeys = _group_keys(tasks)
     c = costs.compute_s_per_expert
-    fused = costs.merge_on_workers
     groups: dict[Hashable, list[int]] = {}
     for i, g in enumerate(gkeys):
         groups.setdefault(g, []).append(i)
 
     disk = sum(dur[i][0] for i in range(len(tasks)))
-    decode = sum(_pieces(t, L) * _job_s(dur[i][1], _pieces(t, L), costs) for i, t in enumerate(tasks)) / L
+    pieces = [_pieces(t, L) for t in tasks]
+    decode = sum(p * _job_s(dur[i][1], p, costs) for i, p in enumerate(pieces)) / L  # each job pays its overhead
     device = sum(dur[i][2] for i in range(len(tasks))) + c * len(groups)
 
     chain = 0.0
     for ms in groups.values():
         loaded = [i for i in ms if tasks[i].state != "full"]
         if loaded:
-            per = max(_pre_merge(tasks[i], dur[i], fused, L, costs) + dur[i][2] for i in loaded)
-            serial = min(_pre_merge(tasks[i], dur[i], fused, L, costs) for i in loaded) + sum(dur[i][2] for i in loaded)
+            per = max(_pre_merge(tasks[i], dur[i], L, costs) + dur[i][2] for i in loaded)
+            serial = min(_pre_merge(tasks[i], dur[i], L, costs) for i in loaded) + sum(dur[i][2] for i in loaded)
             chain = max(chain, max(per, serial) + c)
         else:
             chain = max(chain, c)
@@ -419,7 +416,7 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
         bounds.append(disk + min(tails))
     loaded_all = [i for i, t in enumerate(tasks) if t.state != "full"]
     if loaded_all and len(loaded_all) == len(tasks):
-        bounds.append(device + min(_pre_merge(tasks[i], dur[i], fused, L, costs) for i in loaded_all))
+        bounds.append(device + min(_pre_merge(tasks[i], dur[i], L, costs) for i in loaded_all))
     return max(bounds)
 
 
