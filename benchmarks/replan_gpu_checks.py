@@ -30,6 +30,7 @@ from pathlib import Path
 from zipmoe.runtime.planner_layout import ContainerLayout
 from zipmoe.runtime.planner_plan import Planner, make_plan
 from zipmoe.runtime.planner_stats import from_traces
+from zipmoe.runtime.profile import costs_of, fit_increase, serving_overheads, serving_read_latency
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
 KEY = "merge_overhead_s"  # the cost the serving figure is fitted into (runtime.profile.serving_overheads)
@@ -67,23 +68,15 @@ def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -
     profile's serving pass (``runtime.profile.serving_overheads``): ``disk_latency`` from its
     reads' time beyond latency + bytes / bw, then ``merge_overhead_s``, per fetched tensor
     (bisection), so that the predicted layer makespan is the measured one."""
-    c = prof["costs"]
     reads = row["counters"]["reads_by_state"].values()
-    n, nbytes, secs = (sum(r[i] for r in reads) for i in range(3))
     out = copy.deepcopy(prof)
-    out["costs"]["disk_latency"] = c["disk_latency"] + max(0.0, (secs - n * c["disk_latency"] - nbytes / c["disk_bw"]) / n)
+    out["costs"]["disk_latency"] = serving_read_latency(costs_of(prof), *(sum(r[i] for r in reads) for i in range(3)))
 
     def layer(x: float) -> float:
         out["costs"][KEY] = x
         return Planner(layout, stats, out, plan["workers"], plan["window"]).describe(slots)["expected_layer_makespan_s"]
 
-    lo, hi = 0.0, 0.0
-    if layer(0.0) < row["measured_layer_s"]:
-        hi = 0.02
-        for _ in range(25):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if layer(mid) < row["measured_layer_s"] else (lo, mid)
-    out["costs"][KEY] = (lo + hi) / 2
+    out["costs"][KEY] = fit_increase(layer, row["measured_layer_s"], 0.02, steps=25)
     return out
 
 
@@ -133,13 +126,9 @@ def hits(h: dict) -> str:
 def fresh_run(results: Path) -> None:
     """The run made with the serving pass (machine E): its profile's serving figures turned into
     costs by today's rule, the measured plans predicted again, and the budget planned again."""
-    from zipmoe.runtime.profile import serving_overheads
-
     plan, prof, check, layout, stats = load_run(results, "olmoe", "4G")
     prof["costs"]["disk_latency"] = prof["disk"]["latency_s"]  # as measured alone
     prof["costs"].pop("merge_overhead_s", None)
-    from zipmoe.runtime.profile import costs_of
-
     prof["costs"].update(serving_overheads(costs_of(prof), layout.tensors, prof["runtime"]["serving"], plan["workers"],
                                            prof["runtime"].get("window"), prof["costs"].get("layer_overhead_s", 0.0)))
     planner = Planner(layout, stats, prof, plan["workers"], plan["window"])

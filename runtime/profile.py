@@ -394,11 +394,9 @@ def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window
 
     from .schedule_model import makespan_for_counts
 
-    out = {"disk_latency": costs.disk_latency, "merge_overhead_s": costs.merge_overhead_s}
-    n, nbytes, secs = serving.get("reads", 0), serving.get("read_bytes", 0), serving.get("read_s", 0.0)
-    if n:
-        alone = n * costs.disk_latency + nbytes / costs.disk_bw
-        out["disk_latency"] = costs.disk_latency + max(0.0, (secs - alone) / n)
+    out = {"disk_latency": serving_read_latency(costs, serving.get("reads", 0), serving.get("read_bytes", 0),
+                                                serving.get("read_s", 0.0)),
+           "merge_overhead_s": costs.merge_overhead_s}
     k = int(round(serving.get("experts_per_layer", 0)))
     if k >= 1 and serving.get("layer_makespan_s"):
         c = replace(costs, disk_latency=out["disk_latency"])
@@ -407,14 +405,30 @@ def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window
         def layer(extra: float) -> float:
             return makespan_for_counts({"none": k}, tensors, workers, replace(c, merge_overhead_s=c.merge_overhead_s + extra), window)
 
-        excess = target - layer(0.0)
-        if excess > 0:  # the per-tensor overhead that makes the model's layer take as long (bisection:
-            lo, hi = 0.0, excess  # the makespan grows with it, by at least the overhead itself)
-            for _ in range(40):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if layer(mid) < target else (lo, mid)
-            out["merge_overhead_s"] = costs.merge_overhead_s + (lo + hi) / 2
+        # the makespan grows with the per-tensor overhead, by at least the overhead itself
+        out["merge_overhead_s"] = costs.merge_overhead_s + fit_increase(layer, target, max(0.0, target - layer(0.0)))
     return out
+
+
+def serving_read_latency(costs: Costs, reads: int, read_bytes: int, read_s: float) -> float:
+    """The per-read latency to plan with: the measured one plus what ``reads`` reads of
+    ``read_bytes`` took, on average, beyond ``latency + bytes / bw`` (never less)."""
+    if not reads:
+        return costs.disk_latency
+    alone = reads * costs.disk_latency + read_bytes / costs.disk_bw
+    return costs.disk_latency + max(0.0, (read_s - alone) / reads)
+
+
+def fit_increase(f, target: float, hi: float, steps: int = 40) -> float:
+    """The ``x`` in ``[0, hi]`` where the increasing ``f(x)`` reaches ``target`` (bisection); 0 when
+    ``f(0)`` already does."""
+    lo = 0.0
+    if f(0.0) >= target:
+        return 0.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
