@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
-__all__ = ["Counters", "delta", "STATES", "STAGES"]
+__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES"]
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
 STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
@@ -146,3 +147,36 @@ def delta(after: dict, before: dict) -> dict:
         else:
             out[k] = v - (b or 0)
     return out
+
+
+class DecodeClock:
+    """A ``model.generate`` streamer that times the decode steps alone.
+
+    ``put()`` gets the prompt, then each new token; the counters are snapshotted at the second
+    put (the prefill's token), so :meth:`steps` and :meth:`delta` cover the decode steps only.
+    ``between_steps`` (optional) runs at every put, i.e. between two forward steps.
+    """
+
+    def __init__(self, counters: Counters, between_steps=None) -> None:
+        self.counters = counters
+        self.between_steps = between_steps
+        self.stamps: list[float] = []
+        self.start: dict | None = None
+
+    def put(self, _value) -> None:
+        if self.between_steps is not None:
+            self.between_steps()
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) == 2:
+            self.start = self.counters.snapshot()
+
+    def end(self) -> None:
+        pass
+
+    def steps(self) -> list[float]:
+        """Seconds of each decode step."""
+        return [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+
+    def delta(self) -> dict:
+        """The counters of the decode steps (since the prefill's token)."""
+        return delta(self.counters.snapshot(), self.start)

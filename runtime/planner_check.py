@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 __all__ = ["measure_plan", "main"]
 
@@ -51,7 +50,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     import zipmoe
 
-    from .counters import delta
+    from .counters import DecodeClock
 
     from .loader import default_threads
     from .profile import load_kwargs
@@ -75,29 +74,19 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
         return tok(p, return_tensors="pt")["input_ids"]
 
     def serve(timed: bool):
-        gaps, snaps = [], []
+        gaps = []
         total = None
         for p in prompts:
             ids = encode(p).to(model.device)
-            stamps: list[float] = []
-
-            class _Clock:
-                def put(self, _v):
-                    stamps.append(time.perf_counter())
-                    if len(stamps) == 2:
-                        snaps.append(rt.counters.snapshot())
-
-                def end(self):
-                    pass
-
+            clock = DecodeClock(rt.counters) if timed else None
             with torch.inference_mode():
                 model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
-                               max_new_tokens=tokens, streamer=_Clock() if timed else None,
+                               max_new_tokens=tokens, streamer=clock,
                                pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
             if timed:
-                d = delta(rt.counters.snapshot(), snaps[-1])
+                d = clock.delta()
                 total = d if total is None else _add(total, d)
-                gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]
+                gaps += clock.steps()
         return gaps, total
 
     serve(False)  # warm the cache

@@ -337,29 +337,18 @@ def _miss_pass(model, rt, prompt, tokens: int) -> dict:
     (mean layer makespan, experts per layer, reads of misses: count, bytes, seconds)."""
     import torch
 
-    from .counters import delta
+    from .counters import DecodeClock
 
-    snaps: list[dict] = []
-    stamps: list[float] = []
-
-    class _Empty:  # a streamer: between two forward steps, forget every cached expert
-        def put(self, _v):
-            rt.cache.clear()
-            stamps.append(time.perf_counter())
-            if len(stamps) == 2:  # put() gets the prompt, then the prefill's token: decode steps from here
-                snaps.append(rt.counters.snapshot())
-
-        def end(self):
-            pass
-
+    # between two forward steps, forget every cached expert
+    clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
     with torch.inference_mode():
         model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                       max_new_tokens=tokens + 1, streamer=_Empty())
-    d = delta(rt.counters.snapshot(), snaps[0])
+                       max_new_tokens=tokens + 1, streamer=clock)
+    d = clock.delta()
     lm = d["layer_makespan_s"]
     layer_calls = max(1, sum(v[1] for v in lm.values()))
     reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
-    steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    steps = clock.steps()
     # the time outside the sparse layers while every expert is fetched: on few cores the decode
     # workers share them with the dense part's threads
     dense = float(np.median(steps)) - sum(v[0] for v in lm.values()) / max(1, len(steps)) if steps else None
@@ -445,7 +434,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
     import zipmoe
 
-    from .counters import delta
+    from .counters import DecodeClock
     from .loader import default_threads
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
@@ -462,30 +451,16 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         with torch.inference_mode():
             kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=warmup, max_new_tokens=warmup)
             model.generate(prompt, **kw)
-            stamps: list[float] = []
-            snaps: list[dict] = []
-
-            class _Clock:  # a streamer: put() gets the prompt, then each new token
-                def put(self, _v):
-                    stamps.append(time.perf_counter())
-                    if len(stamps) == 2:  # the prefill's token: count decode steps only from here
-                        snaps.append(rt.counters.snapshot())
-
-                def end(self):
-                    pass
-
             # two timed passes, the one with the shorter median step kept: the dense time is
             # mostly the host launching kernels, which anything else on the machine slows
             best = None
             for _ in range(2):
-                stamps.clear()
-                snaps.clear()
+                clock = DecodeClock(rt.counters)
                 model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                               max_new_tokens=tokens + 1, streamer=_Clock())
-                after = rt.counters.snapshot()
-                steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # decode steps
+                               max_new_tokens=tokens + 1, streamer=clock)
+                steps = clock.steps()
                 if steps and (best is None or np.median(steps) < np.median(best[0])):
-                    best = (steps, delta(after, snaps[0]))
+                    best = (steps, clock.delta())
         steps, d = best
         calls = max(1, int(d["expert_calls"]))
         lm = d["layer_makespan_s"]

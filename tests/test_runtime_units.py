@@ -452,3 +452,18 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     rt.close()
+
+
+def test_decode_clock_times_the_decode_steps_alone():
+    """The streamer of the profile and of planner_check: the counters from the prefill's token on."""
+    from zipmoe.runtime.counters import Counters, DecodeClock
+
+    c = Counters()
+    between = []
+    clock = DecodeClock(c, between_steps=lambda: between.append(1))
+    c.add_read(10, 10, 0.1)  # the prefill's read: before the first token, not counted
+    for _ in range(4):  # the prompt, then three new tokens
+        clock.put(None)
+        c.add_read(10, 10, 0.1)
+    assert len(clock.steps()) == 2 and all(s >= 0 for s in clock.steps())
+    assert clock.delta()["reads"] == 3 and len(between) == 4
