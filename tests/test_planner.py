@@ -207,6 +207,38 @@ def test_serving_overheads_recover_what_the_runtime_adds():
     assert serving_overheads(base, tensors, calm, 4, 6) == {"disk_latency": pytest.approx(1e-4), "merge_overhead_s": 0.0}
 
 
+def test_serving_overheads_split_by_the_compressed_pass():
+    """With the compressed pass, the per-tensor overhead comes from compressed hits (nothing
+    read) and the all-miss pass's remainder slows the reads: both passes' layers are then
+    reproduced, and a compressed hit is not charged what the reads cost."""
+    from dataclasses import replace
+
+    from zipmoe.runtime.profile import serving_overheads
+    from zipmoe.runtime.schedule_model import makespan_for_counts
+
+    base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)
+    tensors = [(4 << 20, 700 << 10, 2 << 20, 2), (2 << 20, 350 << 10, 1 << 20, 1)]
+    true = replace(base, disk_bw=0.4e9, merge_overhead_s=3e-4)  # what serving really costs
+    k = 4
+    serving = {"reads": 1, "read_bytes": 1, "read_s": 1.0, "experts_per_layer": k,
+               "layer_makespan_s": makespan_for_counts({"none": k}, tensors, 4, true, 6)}
+    comp = {"experts_per_layer": k, "compressed_share": 1.0,
+            "layer_makespan_s": makespan_for_counts({"compressed": k}, tensors, 4, true, 6)}
+    got = serving_overheads(base, tensors, serving, 4, 6, compressed=comp)
+    assert got["merge_overhead_s"] == pytest.approx(3e-4, rel=0.02)
+    assert got["disk_bw"] == pytest.approx(0.4e9, rel=0.02)
+    assert got["disk_latency"] == base.disk_latency
+    fitted = replace(base, **got)
+    for counts in ({"none": k}, {"compressed": k}, {"e_only": 2, "compressed": 2}):
+        assert makespan_for_counts(counts, tensors, 4, fitted, 6) == pytest.approx(
+            makespan_for_counts(counts, tensors, 4, true, 6), rel=0.02)
+    # the all-miss rule charges the compressed hits the reads' share: far more than they cost
+    old = replace(base, **serving_overheads(base, tensors, {**serving, "read_s": 0.0}, 4, 6))
+    assert makespan_for_counts({"compressed": k}, tensors, 4, old, 6) > 1.5 * comp["layer_makespan_s"]
+    # a compressed pass whose experts did not stay compressed is not used
+    assert "disk_bw" not in serving_overheads(base, tensors, serving, 4, 6, compressed={**comp, "compressed_share": 0.5})
+
+
 def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
     """On few cores the decode workers slow the dense part: the planner takes a plan's dense time
     between the profile's resident and fetching figures, by the share of experts it fetches, and

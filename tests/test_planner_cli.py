@@ -161,6 +161,25 @@ def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(contain
     assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
 
 
+def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed(container):
+    """The profile's serving passes: every chosen expert fetched from the disk, then every one a
+    compressed hit (the split of what serving adds, runtime.profile.serving_overheads)."""
+    pytest.importorskip("zipmoe.runtime.loader")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.planner_layout import container_layout
+    from zipmoe.runtime.profile import measure_runtime
+
+    path, _ = container
+    with ContainerReader(path) as r:
+        layout = container_layout(r, "bfloat16", "cpu")
+    out = measure_runtime(path, layout, "cpu", workers=1, tokens=3, warmup=2, miss_tokens=3)
+    assert "serving_error" not in out, out.get("serving_error")
+    miss, comp = out["serving"], out["serving_compressed"]
+    assert miss["experts_per_layer"] == comp["experts_per_layer"] == layout.top_k
+    assert miss["reads"] > 0 and comp["compressed_share"] >= 0.9
+    assert comp["layer_makespan_s"] > 0
+
+
 def test_not_a_trace_and_missing_prompts_fail_before_measuring(container, tmp_path, capsys):
     path, _ = container
     bad = tmp_path / "bad.jsonl"

@@ -205,9 +205,11 @@ def plan(
             con.print(f"[bold]profile[/bold] ({source}, {where}) for {path.name} on {prof['machine']['hostname']} "
                       f"/ {prof['machine']['cpu_model']} / {prof['machine']['device']}")
             alone = prof["disk"].get("latency_s", c["disk_latency"])
+            alone_bw = prof["disk"].get("bw", c["disk_bw"])
             serving = c["disk_latency"] - alone
-            con.print(f"  disk       {format_size(c['disk_bw'])}/s cold, latency {1e6 * alone:.0f} us ({prof['disk']['method']})"
-                      + (f" + {1e6 * serving:.0f} us per read while serving" if serving > 0 else ""))
+            con.print(f"  disk       {format_size(alone_bw)}/s cold, latency {1e6 * alone:.0f} us ({prof['disk']['method']})"
+                      + (f" + {1e6 * serving:.0f} us per read while serving" if serving > 0 else "")
+                      + (f"; {format_size(c['disk_bw'])}/s while serving" if c["disk_bw"] < 0.999 * alone_bw else ""))
             if c.get("merge_overhead_s"):
                 con.print(f"  serving    {1e6 * c['merge_overhead_s']:.0f} us of the runtime's own work per fetched tensor")
             con.print(f"  decompress {format_size(c['decomp_bw_per_worker'])}/s bf16 per worker ({prof['decomp']['codec']})")
@@ -239,7 +241,7 @@ def plan(
                  if s["basis"] == "decode steps" else "all of them")
         con.print(f"activations: {s['tokens']} tokens from {len(s['files'])} trace(s), counted from {basis}; top-{s['top_k']} "
                   f"ranks take {100 * s['top_k_share']:.0f}% of selections (uniform: {100 * s['top_k'] / s['num_experts']:.0f}%)")
-    con.print(f"costs ({result['profile']['source']}, {result['profile']['disk_method']}): disk "
+    con.print(f"costs ({result['profile']['source']}, {result['profile']['disk_method']}; as served): disk "
               f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
               f"expert {1e3 * c['compute_s_per_expert']:.3f} ms")
