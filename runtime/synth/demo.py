@@ -81,10 +81,17 @@ def load_dense(dtype=None):
 
 
 def _router_inputs(model, tok) -> list:
-    """Per layer: the normalised hidden states that the MoE router will see, on CALIBRATION."""
+    """Per layer: the normalised hidden states that the MoE router will see, on CALIBRATION.
+
+    Computed on one thread: the routers are made from these float32 states, and a forward pass
+    on more threads can round them differently, which changed router bits (and so the
+    container's id, and which traces it accepts) between two H200 machines, one serving on 8
+    threads and one on 16."""
     import torch
 
     xs: dict[int, list] = {i: [] for i in range(len(model.model.layers))}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     hooks = []
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.post_attention_layernorm.register_forward_hook(
@@ -98,6 +105,7 @@ def _router_inputs(model, tok) -> list:
     finally:
         for h in hooks:
             h.remove()
+        torch.set_num_threads(threads)
     return [torch.cat(xs[i]).double().numpy() for i in range(len(model.model.layers))]
 
 
