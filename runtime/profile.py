@@ -351,20 +351,26 @@ def _miss_pass(model, rt, prompt, tokens: int) -> dict:
         model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
                        max_new_tokens=tokens + 1, streamer=clock)
     d = clock.delta()
-    lm = d["layer_makespan_s"]
-    layer_calls = max(1, sum(v[1] for v in lm.values()))
     reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
     steps = clock.steps()
+    sparse = sum(v[0] for v in d["layer_makespan_s"].values())
     # the time outside the sparse layers while every expert is fetched: on few cores the decode
     # workers share them with the dense part's threads
-    dense = float(np.median(steps)) - sum(v[0] for v in lm.values()) / max(1, len(steps)) if steps else None
+    dense = float(np.median(steps)) - sparse / max(1, len(steps)) if steps else None
     return {
         "steps": tokens,
         "dense_s_per_token": None if dense is None else max(0.0, dense),
-        "layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
-        "experts_per_layer": int(d["expert_calls"]) / layer_calls,
+        **_layer_figures(d),
         "reads": int(reads), "read_bytes": int(read_bytes), "read_s": float(read_s),
     }
+
+
+def _layer_figures(d: dict) -> dict:
+    """A pass's mean sparse-layer makespan and experts per layer, from its counters' delta."""
+    lm = d["layer_makespan_s"]
+    layer_calls = max(1, sum(v[1] for v in lm.values()))
+    return {"layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
+            "experts_per_layer": int(d["expert_calls"]) / layer_calls}
 
 
 def _compressed_pass(model, rt, prompt, tokens: int) -> dict:
@@ -389,15 +395,8 @@ def _compressed_pass(model, rt, prompt, tokens: int) -> dict:
     finally:
         rt.cache = old
     d = clock.delta()
-    lm = d["layer_makespan_s"]
-    layer_calls = max(1, sum(v[1] for v in lm.values()))
     fetched = sum(v for k, v in d["hits"].items() if k != "full")
-    return {
-        "steps": tokens,
-        "layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
-        "experts_per_layer": int(d["expert_calls"]) / layer_calls,
-        "compressed_share": d["hits"].get("compressed", 0) / max(1, fetched),
-    }
+    return {"steps": tokens, **_layer_figures(d), "compressed_share": d["hits"].get("compressed", 0) / max(1, fetched)}
 
 
 def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window: int | None,
@@ -432,12 +431,8 @@ def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window
     kc = int(round((compressed or {}).get("experts_per_layer", 0)))
     if (compressed and compressed.get("compressed_share", 0.0) >= 0.9 and kc >= 1 and k >= 1
             and compressed.get("layer_makespan_s") and serving.get("layer_makespan_s")):
-        def comp(extra: float) -> float:
-            return makespan_for_counts({"compressed": kc}, tensors, workers,
-                                       replace(costs, merge_overhead_s=costs.merge_overhead_s + extra), window)
-
-        target = compressed["layer_makespan_s"] - layer_overhead
-        merge = costs.merge_overhead_s + fit_increase(comp, target, max(0.0, target - comp(0.0)))
+        merge = _fit_merge_overhead(costs, {"compressed": kc}, tensors, workers, window,
+                                    compressed["layer_makespan_s"] - layer_overhead)
         c = replace(costs, merge_overhead_s=merge)
 
         def miss(slower: float) -> float:
@@ -460,22 +455,28 @@ def _serving_overheads_all_miss(costs: Costs, tensors, serving: dict, workers: i
     """
     from dataclasses import replace
 
-    from .schedule_model import makespan_for_counts
-
     out = {"disk_latency": serving_read_latency(costs, serving.get("reads", 0), serving.get("read_bytes", 0),
                                                 serving.get("read_s", 0.0)),
            "merge_overhead_s": costs.merge_overhead_s}
     k = int(round(serving.get("experts_per_layer", 0)))
     if k >= 1 and serving.get("layer_makespan_s"):
-        c = replace(costs, disk_latency=out["disk_latency"])
-        target = serving["layer_makespan_s"] - layer_overhead
-
-        def layer(extra: float) -> float:
-            return makespan_for_counts({"none": k}, tensors, workers, replace(c, merge_overhead_s=c.merge_overhead_s + extra), window)
-
-        # the makespan grows with the per-tensor overhead, by at least the overhead itself
-        out["merge_overhead_s"] = costs.merge_overhead_s + fit_increase(layer, target, max(0.0, target - layer(0.0)))
+        out["merge_overhead_s"] = _fit_merge_overhead(replace(costs, disk_latency=out["disk_latency"]), {"none": k},
+                                                      tensors, workers, window, serving["layer_makespan_s"] - layer_overhead)
     return out
+
+
+def _fit_merge_overhead(costs: Costs, counts: dict, tensors, workers: int, window: int | None, target: float) -> float:
+    """``costs.merge_overhead_s`` plus the per-tensor overhead that makes the schedule model's
+    layer of ``counts`` take ``target`` seconds (bisection; nothing added when it already does)."""
+    from dataclasses import replace
+
+    from .schedule_model import makespan_for_counts
+
+    def layer(extra: float) -> float:
+        return makespan_for_counts(counts, tensors, workers, replace(costs, merge_overhead_s=costs.merge_overhead_s + extra), window)
+
+    # the makespan grows with the per-tensor overhead, by at least the overhead itself
+    return costs.merge_overhead_s + fit_increase(layer, target, max(0.0, target - layer(0.0)))
 
 
 def serving_read_latency(costs: Costs, reads: int, read_bytes: int, read_s: float) -> float:
