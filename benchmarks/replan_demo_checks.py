@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from zipmoe.codecs.reader import ContainerReader
+from zipmoe.errors import ZipmoeError
 from zipmoe.runtime.planner_layout import container_layout
 from zipmoe.runtime.planner_plan import Planner
 from zipmoe.runtime.planner_stats import from_traces
@@ -134,6 +135,8 @@ if __name__ == "__main__":
     results = Path(sys.argv[2]) if len(sys.argv) > 2 else here / "results"
     try:
         main(container, results)
-    except (OSError, ValueError, KeyError) as exc:
+    except ZipmoeError as exc:  # the container
+        sys.exit(f"replan_demo_checks: error: {exc} (build the demo container with `just demo`)")
+    except (OSError, ValueError, KeyError) as exc:  # the results
         what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        sys.exit(f"replan_demo_checks: error: {what} (build the demo container with `just demo`)")
+        sys.exit(f"replan_demo_checks: error: {what} (RESULTS_DIR must hold the folders {FIRST} and {SECOND})")
