@@ -9,7 +9,7 @@ Q="What is the capital of France?"
 
 echo "== runtime: demo model at budgets holding 100%, 50%, 20% of the experts"
 for f in 1.0 0.5 0.2; do
-  b=$(python -c "from zipmoe.runtime.loader import requirements as r; print(r('out/demo.zmoe', dtype='auto')['budget_for']($f))")
+  b=$(python -c "from zipmoe.runtime.serve.loader import requirements as r; print(r('out/demo.zmoe', dtype='auto')['budget_for']($f))")
   zipmoe chat out/demo.zmoe --budget "$b" --greedy --max-new-tokens 32 --prompt "$Q" --json > "$O/chat-$f.json"
   python - "$O/chat-$f.json" "$f" "$b" <<'PY'
 import json, sys
@@ -21,7 +21,7 @@ done
 
 echo "== plan vs single-pool plans on the demo (measured against predicted)"
 zipmoe plan out/demo.zmoe --budget 900M --calibrate builtin -o "$O/plan-900M.json" | tail -25
-timeout 900 python -m zipmoe.runtime.planner_check out/demo.zmoe --plan "$O/plan-900M.json" --prompts builtin --alternatives | tail -25
+timeout 900 python -m zipmoe.runtime.plan.check out/demo.zmoe --plan "$O/plan-900M.json" --prompts builtin --alternatives | tail -25
 
 echo "== bench: zipmoe vs accelerate vs uncompressed on the demo at 400M"
 zipmoe bench out/demo.zmoe --baseline accelerate --baseline uncompressed --budget 400M --source out/demo \

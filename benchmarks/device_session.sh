@@ -63,7 +63,7 @@ gpu_tests_bg() {  # the GPU bit-identity tests, in the background (the caller wa
 
 planner_check() {  # planner_check STEP SECONDS TAG BUDGET [OPTIONS...]: predicted vs measured, JSON in $WORK
     local name=$1 limit=$2 tag=$3 b=$4; shift 4
-    step "$name" "$limit" python3 -m zipmoe.runtime.planner_check "$WORK/$tag.zmoe" --plan "$WORK/$tag-plan-$b.json" \
+    step "$name" "$limit" python3 -m zipmoe.runtime.plan.check "$WORK/$tag.zmoe" --plan "$WORK/$tag-plan-$b.json" \
         --prompts $HL/prompts4.txt --tokens 12 --device "${DEVICE:-cuda}" --json-out "$WORK/$tag-$name-$b.json" "$@"
 }
 
@@ -74,7 +74,7 @@ pipeline() {
     export BENCH_EXTRA="--cold-method fadvise" TOKENS=${TOKENS:-12}
     step probe 120 sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2; df -h /tmp | tail -1;
         python3 -c "import torch, transformers, zstandard, lz4, accelerate; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"accelerate\", accelerate.__version__, \"cuda\", torch.cuda.is_available())";
-        python3 -m zipmoe.runtime.bench_cgroup --no-check'
+        python3 -m zipmoe.runtime.bench.cgroup --no-check'
     # ---- olmoe-1b-7b: everything fits at once (source 12.9 GiB + raw 12.9 + zstd 8.6)
     export BUDGETS="4G 8G" PLAN_PROMPTS=$HL/prompts4.txt
     step olmoe-synth 420 $H olmoe-synth
@@ -86,7 +86,7 @@ pipeline() {
     step olmoe-zipmoe 600 $H olmoe-zipmoe
     step olmoe-acc 600 $H olmoe-acc
     step olmoe-report 60 $H report
-    step cgroup-check 120 sh -c 'python3 -m zipmoe.runtime.bench_cgroup > $WORK/cgroup-check.json; grep -E "observation|reason" $WORK/cgroup-check.json'
+    step cgroup-check 120 sh -c 'python3 -m zipmoe.runtime.bench.cgroup > $WORK/cgroup-check.json; grep -E "observation|reason" $WORK/cgroup-check.json'
     # ---- qwen1.5-moe-a2.7b: free olmoe's disk first
     step olmoe-clean 120 $H olmoe-clean
     export BUDGETS="8G 16G"

@@ -201,7 +201,7 @@ check() {
     nproc; free -g | head -2; df -h "$WORK" | tail -1
     if [ -n "${CGROUP_CHECK:-}" ]; then
         say "check: memory cgroup and page-cache cap (reads 1.5 GiB in a 512 MiB cgroup)"
-        timeout 120 python -m zipmoe.runtime.bench_cgroup | tee "$WORK/logs/cgroup-check.json" | grep --line-buffered -E '"usable"|"reason"|observation' || echo "cgroup check failed or timed out"
+        timeout 120 python -m zipmoe.runtime.bench.cgroup | tee "$WORK/logs/cgroup-check.json" | grep --line-buffered -E '"usable"|"reason"|observation' || echo "cgroup check failed or timed out"
     fi
     say "check: drop_caches"
     if timeout 60 sh -c 'sync && echo 1 > /proc/sys/vm/drop_caches' 2>/dev/null; then echo "drop_caches: permitted"; else echo "drop_caches: not permitted or timed out (bench falls back to fadvise DONTNEED per file)"; fi

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zipmoe.runtime.planner_layout import ContainerLayout
-from zipmoe.runtime.planner_plan import make_plan
-from zipmoe.runtime.planner_stats import ActivationStats
+from zipmoe.runtime.plan.layout import ContainerLayout
+from zipmoe.runtime.plan.planner import make_plan
+from zipmoe.runtime.plan.stats import ActivationStats
 
 
 def main(results: Path) -> None:

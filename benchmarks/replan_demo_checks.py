@@ -38,11 +38,11 @@ from pathlib import Path
 
 from zipmoe.codecs.reader import ContainerReader
 from zipmoe.errors import ZipmoeError
-from zipmoe.runtime.planner_layout import container_layout
-from zipmoe.runtime.planner_plan import Planner
-from zipmoe.runtime.planner_stats import from_traces
-from zipmoe.runtime.profile import _serving_overheads_all_miss, costs_of, fit_increase, serving_overheads
-from zipmoe.runtime.schedule_model import makespan_for_counts
+from zipmoe.runtime.plan.layout import container_layout
+from zipmoe.runtime.plan.planner import Planner
+from zipmoe.runtime.plan.stats import from_traces
+from zipmoe.runtime.plan.profile import _serving_overheads_all_miss, costs_of, fit_increase, serving_overheads
+from zipmoe.runtime.plan.simulate import makespan_for_counts
 
 FIRST, SECOND = "2026-11-30-h200-demo-cpu", "2026-11-30-h200-demo-gpu2"
 RUNS = [  # (label, folder, device, plan, profile, checks): the plans each check measured, and the profile they are predicted with

@@ -27,10 +27,10 @@ import json
 import sys
 from pathlib import Path
 
-from zipmoe.runtime.planner_layout import ContainerLayout
-from zipmoe.runtime.planner_plan import Planner, make_plan
-from zipmoe.runtime.planner_stats import from_traces
-from zipmoe.runtime.profile import costs_of, fit_increase, serving_overheads, serving_read_latency
+from zipmoe.runtime.plan.layout import ContainerLayout
+from zipmoe.runtime.plan.planner import Planner, make_plan
+from zipmoe.runtime.plan.stats import from_traces
+from zipmoe.runtime.plan.profile import costs_of, fit_increase, serving_overheads, serving_read_latency
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
 KEY = "merge_overhead_s"  # the cost the serving figure is fitted into (runtime.profile.serving_overheads)

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime import bench_cgroup, bench_cold, bench_engines, bench_report, bench_run
+from zipmoe.runtime.bench import cgroup as bench_cgroup
+from zipmoe.runtime.bench import cold as bench_cold
+from zipmoe.runtime.bench import engines as bench_engines
+from zipmoe.runtime.bench import report as bench_report
+from zipmoe.runtime.bench import run as bench_run
 
 
 # ----------------------------------------------------------------------------- report math
@@ -364,7 +368,7 @@ def test_real_cgroup_oom_kill_is_seen():
     support = bench_cgroup.detect()
     with bench_cgroup.MemoryCgroup(support, 48 << 20) as cg:
         env = dict(os.environ, **cg.env())
-        code = "from zipmoe.runtime.bench_cgroup import join_from_env; join_from_env(); x = bytearray(200 << 20); x[::4096] = b'1' * len(x[::4096])"
+        code = "from zipmoe.runtime.bench.cgroup import join_from_env; join_from_env(); x = bytearray(200 << 20); x[::4096] = b'1' * len(x[::4096])"
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
         assert proc.returncode != 0
         assert cg.oom_kills() >= 1

@@ -70,7 +70,7 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
 def test_failing_engine_keeps_partial_results(tiny_container, monkeypatch, capsys):
     """An engine that cannot run in its budget: the others' results stay in out.json, one line, exit 1.
     (The worker is stubbed: the real ones are exercised above.)"""
-    from zipmoe.runtime import bench_run
+    from zipmoe.runtime.bench import run as bench_run
     from zipmoe_cli.app import main
 
     root = tiny_container

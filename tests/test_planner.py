@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from zipmoe.errors import ModelError
-from zipmoe.runtime.planner_model import (
+from zipmoe.runtime.plan.model import (
     POOL_ORDER,
     LayerSet,
     MakespanTable,
@@ -20,9 +20,9 @@ from zipmoe.runtime.planner_model import (
     sample_counts,
     solve_cps,
 )
-from zipmoe.runtime.planner_search import POOLS, search
-from zipmoe.runtime.planner_stats import from_traces, rank_distribution, uniform
-from zipmoe.runtime.schedule_model import Costs
+from zipmoe.runtime.plan.search import POOLS, search
+from zipmoe.runtime.plan.stats import from_traces, rank_distribution, uniform
+from zipmoe.runtime.plan.simulate import Costs
 
 COSTS = Costs(disk_bw=2e9, disk_latency=80e-6, decomp_bw_per_worker=1.5e9, merge_bw=4e9, compute_s_per_expert=150e-6)
 NUMEL = 1 << 20
@@ -188,8 +188,8 @@ def test_serving_overheads_recover_what_the_runtime_adds():
     latency, and layer time beyond the schedule model becomes a per-tensor overhead."""
     from dataclasses import replace
 
-    from zipmoe.runtime.profile import serving_overheads
-    from zipmoe.runtime.schedule_model import makespan_for_counts
+    from zipmoe.runtime.plan.profile import serving_overheads
+    from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)
     tensors = [(4 << 20, 700 << 10, 2 << 20, 2), (2 << 20, 350 << 10, 1 << 20, 1)]
@@ -213,8 +213,8 @@ def test_serving_overheads_split_by_the_compressed_pass():
     reproduced, and a compressed hit is not charged what the reads cost."""
     from dataclasses import replace
 
-    from zipmoe.runtime.profile import serving_overheads
-    from zipmoe.runtime.schedule_model import makespan_for_counts
+    from zipmoe.runtime.plan.profile import serving_overheads
+    from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)
     tensors = [(4 << 20, 700 << 10, 2 << 20, 2), (2 << 20, 350 << 10, 1 << 20, 1)]
@@ -243,9 +243,9 @@ def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
     """On few cores the decode workers slow the dense part: the planner takes a plan's dense time
     between the profile's resident and fetching figures, by the share of experts it fetches, and
     the search's objective includes it."""
-    from zipmoe.runtime.planner_layout import ContainerLayout
-    from zipmoe.runtime.planner_plan import Planner
-    from zipmoe.runtime.planner_stats import ActivationStats
+    from zipmoe.runtime.plan.layout import ContainerLayout
+    from zipmoe.runtime.plan.planner import Planner
+    from zipmoe.runtime.plan.stats import ActivationStats
 
     E, k, layers = 8, 2, [0, 1]
     units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]

@@ -44,7 +44,7 @@ def _run(args, capsys):
 
 def _profile(path, cid, tmp_path, **changes):
     """A profile that matches this machine and file, with realistic costs (no measuring)."""
-    from zipmoe.runtime.profile import PROFILE_FORMAT, container_info, machine_info
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, machine_info
 
     prof = {
         "format": PROFILE_FORMAT,
@@ -98,7 +98,7 @@ def test_plan_writes_plan_json_and_explains(container, tmp_path, capsys):
     code, stdout, _ = _run(["plan", path, "--budget", "800K", "--trace", tr, "--profile", prof, "--json", "--workers", "1"], capsys)
     assert code == 0 and json.loads(stdout)["pools"] == plan["pools"]
     # the runtime accepts it
-    from zipmoe.runtime.core import read_plan
+    from zipmoe.runtime.serve.core import read_plan
 
     assert read_plan(str(out), cid)["pools"] == plan["pools"]
 
@@ -147,7 +147,7 @@ def test_not_a_container(tmp_path, capsys):
 
 
 def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(container, tmp_path):
-    from zipmoe.runtime.profile import costs_of, default_profile_path, get_profile
+    from zipmoe.runtime.plan.profile import costs_of, default_profile_path, get_profile
 
     path, cid = container
     prof, src = get_profile(path, cid, "cpu", workers=1, quick=True)
@@ -164,10 +164,10 @@ def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(contain
 def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed(container):
     """The profile's serving passes: every chosen expert fetched from the disk, then every one a
     compressed hit (the split of what serving adds, runtime.profile.serving_overheads)."""
-    pytest.importorskip("zipmoe.runtime.loader")
+    pytest.importorskip("zipmoe.runtime.serve.loader")
     from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.runtime.planner_layout import container_layout
-    from zipmoe.runtime.profile import measure_runtime
+    from zipmoe.runtime.plan.layout import container_layout
+    from zipmoe.runtime.plan.profile import measure_runtime
 
     path, _ = container
     with ContainerReader(path) as r:
@@ -201,7 +201,7 @@ def test_profile_only_shows_the_profile(container, tmp_path, capsys):
 
 
 def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys):
-    pytest.importorskip("zipmoe.runtime.loader")
+    pytest.importorskip("zipmoe.runtime.serve.loader")
     path, cid = container
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n")
@@ -216,11 +216,11 @@ def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsy
 
 def test_layout_budget_accounting_matches_the_runtime(container):
     """planner_layout mirrors runtime.core's accounting: same minimum, working set and dense bytes."""
-    loader = pytest.importorskip("zipmoe.runtime.loader")
+    loader = pytest.importorskip("zipmoe.runtime.serve.loader")
     if not hasattr(loader, "requirements"):
         pytest.skip("runtime.loader.requirements not available")
     from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.runtime.planner_layout import container_layout
+    from zipmoe.runtime.plan.layout import container_layout
 
     import inspect
 
@@ -242,8 +242,8 @@ def test_layout_budget_accounting_matches_the_runtime(container):
 def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp_path, capsys):
     """The predicted-vs-measured tool behind docs/benchmarks.md §7: one row per plan, hits that
     add up to the experts each token uses, the JSON rewritten after every plan."""
-    pytest.importorskip("zipmoe.runtime.loader")
-    from zipmoe.runtime import planner_check
+    pytest.importorskip("zipmoe.runtime.serve.loader")
+    from zipmoe.runtime.plan import check as planner_check
 
     path, cid = container
     prompts = tmp_path / "prompts.txt"
@@ -274,7 +274,7 @@ def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp
 
 
 def test_planner_check_bad_input_is_one_line(container, tmp_path, capsys):
-    from zipmoe.runtime import planner_check
+    from zipmoe.runtime.plan import check as planner_check
 
     path, _ = container
     bad = tmp_path / "bad.json"

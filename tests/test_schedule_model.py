@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipmoe.runtime.schedule_model import (
+from zipmoe.runtime.plan.simulate import (
     STATES,
     Costs,
     Task,

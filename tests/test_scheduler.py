@@ -1,4 +1,4 @@
-"""The runtime's layer scheduler against the cost model (runtime/schedule_model.py).
+"""The runtime's layer scheduler against the cost model (runtime/plan/simulate.py).
 
 The real :class:`LayerScheduler` (its threads, priority queues, window and cache states) runs
 random layer instances whose reads, decode jobs and expert computes are replaced by sleeps of
@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from zipmoe.runtime import schedule_model as sm
-from zipmoe.runtime.cache import ExpertCache
-from zipmoe.runtime.counters import Counters
-from zipmoe.runtime.scheduler import LayerScheduler, expert_type, issue_order
-from zipmoe.runtime.store import ExpertStore, ExpertTensor, ReadBuffers, Segment
+from zipmoe.runtime.plan import simulate as sm
+from zipmoe.runtime.serve.cache import ExpertCache
+from zipmoe.runtime.serve.counters import Counters
+from zipmoe.runtime.serve.scheduler import LayerScheduler, expert_type, issue_order
+from zipmoe.runtime.serve.store import ExpertStore, ExpertTensor, ReadBuffers, Segment
 
 
 class _FakeRuntime:

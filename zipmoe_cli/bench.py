@@ -1,6 +1,6 @@
 """`zipmoe bench`: zipmoe against Accelerate's disk offload (and other baselines), side by side.
 
-The work is in zipmoe.runtime.bench_run (driver), bench_worker (one engine's process),
+The work is in zipmoe.runtime.bench.run (driver), bench_worker (one engine's process),
 bench_engines, bench_cgroup, bench_cold and bench_report; docs/bench.md explains the method.
 """
 
@@ -41,7 +41,7 @@ class _Progress:
 def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -> None:
     from rich.console import Console
 
-    from zipmoe.runtime import bench_report
+    from zipmoe.runtime.bench import report as bench_report
     from zipmoe.units import format_size
 
     import sys
@@ -104,7 +104,8 @@ def bench(
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
     from zipmoe.errors import UsageError
-    from zipmoe.runtime import bench_engines, bench_run
+    from zipmoe.runtime.bench import engines as bench_engines
+    from zipmoe.runtime.bench import run as bench_run
     from zipmoe.units import parse_size
 
     if report is not None:
@@ -125,7 +126,7 @@ def bench(
     if cold_method not in ("auto", "drop_caches", "fadvise"):
         raise UsageError(f"unknown --cold-method {cold_method!r}: use auto, drop_caches or fadvise")
     if cold_method == "drop_caches" and cold:
-        from zipmoe.runtime.bench_cold import can_drop_caches
+        from zipmoe.runtime.bench.cold import can_drop_caches
 
         if not can_drop_caches():
             raise UsageError("--cold-method drop_caches needs write access to /proc/sys/vm/drop_caches (root); use fadvise")

@@ -3,8 +3,8 @@
 Interactive by default (the model's chat template, multi-turn history, tokens streamed;
 ``/reset``, ``/stats``, ``/exit``; Ctrl-C stops the current answer and keeps the conversation).
 ``--prompt TEXT`` answers one turn and exits; with ``--json`` it prints one JSON document
-(``token_ids``, ``text``, ``stats``). The work is done by :func:`zipmoe.runtime.loader.load` and
-:func:`zipmoe.runtime.generate.generate_turn`.
+(``token_ids``, ``text``, ``stats``). The work is done by :func:`zipmoe.runtime.serve.loader.load` and
+:func:`zipmoe.runtime.serve.generate.generate_turn`.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def chat(
     from rich.console import Console
 
     from zipmoe.errors import UsageError, ZipmoeError
-    from zipmoe.runtime.generate import chat_inputs, generate_turn
-    from zipmoe.runtime.loader import default_threads, default_workers, load
+    from zipmoe.runtime.serve.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.serve.loader import default_threads, default_workers, load
     from zipmoe.units import parse_size
 
     if as_json and prompt is None:

@@ -72,9 +72,9 @@ def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers
         import zipmoe
     except ImportError as exc:  # pragma: no cover
         raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
-    from zipmoe.runtime.profile import load_kwargs
+    from zipmoe.runtime.plan.profile import load_kwargs
 
-    from zipmoe.runtime.loader import default_threads
+    from zipmoe.runtime.serve.loader import default_threads
 
     model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers),
                              **load_kwargs(dtype))
@@ -150,10 +150,10 @@ def plan(
 
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.errors import UsageError
-    from zipmoe.runtime.planner_layout import container_layout
-    from zipmoe.runtime.planner_plan import make_plan
-    from zipmoe.runtime.planner_stats import from_traces, uniform
-    from zipmoe.runtime.profile import get_profile
+    from zipmoe.runtime.plan.layout import container_layout
+    from zipmoe.runtime.plan.planner import make_plan
+    from zipmoe.runtime.plan.stats import from_traces, uniform
+    from zipmoe.runtime.plan.profile import get_profile
     from zipmoe.units import format_size, parse_size
 
     err = Console(stderr=True)

@@ -1,6 +1,6 @@
 """Numbers and presentation for `zipmoe bench`: summaries, ratios, the I/O floor, table, plot.
 
-Input: the records the workers wrote (one per run, see runtime/bench_worker.py), grouped by
+Input: the records the workers wrote (one per run, see runtime/bench/worker.py), grouped by
 (engine, budget, batch, new tokens). Output:
 
 - :func:`summarize`: median / min / max over runs of TTFT, TPOT, throughput, end-to-end

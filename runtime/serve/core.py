@@ -40,11 +40,11 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from .cache import POOLS, ExpertCache
-from .counters import Counters
-from .scheduler import LayerScheduler, demote
-from .store import ExpertStore
-from .trace import TraceWriter
+from zipmoe.runtime.serve.cache import POOLS, ExpertCache
+from zipmoe.runtime.serve.counters import Counters
+from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
+from zipmoe.runtime.serve.store import ExpertStore
+from zipmoe.runtime.serve.trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
 
@@ -92,7 +92,7 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
 
 
 def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda: bool = False) -> dict:
-    """See :func:`zipmoe.runtime.loader.requirements`."""
+    """See :func:`zipmoe.runtime.serve.loader.requirements`."""
     expert_working, scratch = _sizes(expert_tensors, workers, cuda)
     all_t = [t for ts in expert_tensors.values() for t in ts]
     full = sum(t.compute_bytes for t in all_t)
@@ -262,7 +262,7 @@ class Runtime:
                     return n
                 from zipmoe.codecs.exponent import DecodeContext
 
-                from .store import decode_into, slice_of, u16_view
+                from zipmoe.runtime.serve.store import decode_into, slice_of, u16_view
 
                 bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
                 e_parts = [slice_of(bufs, s.e_range) for s in t.segments]

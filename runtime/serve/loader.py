@@ -14,7 +14,7 @@ Steps (each a function below):
    to the dtype transformers would give them, and assign them (``load_state_dict(assign=True)``);
    tie weights; every parameter that is not an expert weight must now be real (ModelError
    otherwise). Expert parameters stay on meta and are never touched;
-6. build the :class:`~zipmoe.runtime.core.Runtime` under the budget and attach it:
+6. build the :class:`~zipmoe.runtime.serve.core.Runtime` under the budget and attach it:
    ``model.zipmoe``, and ``module._zipmoe_runtime`` / ``_zipmoe_layer`` on each experts module
    (SwitchTransformers' experts modules are replaced by :class:`.experts_hook.SwitchExperts`).
 """
@@ -33,8 +33,8 @@ from torch import nn
 from zipmoe.errors import ContainerError, DeviceError, ModelError, UsageError
 from zipmoe.units import parse_size
 
-from .experts_hook import IMPLEMENTATION, SwitchExperts, register
-from .families import Family, family_for
+from zipmoe.runtime.serve.experts_hook import IMPLEMENTATION, SwitchExperts, register
+from zipmoe.runtime.serve.families import Family, family_for
 
 __all__ = ["load", "requirements", "resolve_device", "params_on_meta", "default_threads"]
 
@@ -301,8 +301,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             seen.add(key)
 
     # --- expert tensors and the budget check, before decoding anything large
-    from .core import Runtime
-    from .store import build_expert_tensors
+    from zipmoe.runtime.serve.core import Runtime
+    from zipmoe.runtime.serve.store import build_expert_tensors
 
     expected = {}
     for name, mod, layer in experts:
@@ -324,7 +324,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
                 raise ModelError(f"the container has no weights for layer {layer} expert {e}")
     meta_model = reader.meta.get("model") or {}
     if dry:
-        from .core import dry_requirements
+        from zipmoe.runtime.serve.core import dry_requirements
 
         return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
     rt = Runtime(

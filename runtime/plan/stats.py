@@ -122,7 +122,7 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
     Raises :class:`ModelError` for a trace recorded on another model (container id, expert
     count or top-k disagree) and :class:`UsageError` for a file that is not a trace.
     """
-    from .trace import read_trace
+    from zipmoe.runtime.serve.trace import read_trace
 
     counts = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}
     decode = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}

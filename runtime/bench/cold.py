@@ -11,7 +11,7 @@ Three ways, tried in this order, and the report says which one a run used:
   runtime) are cold, the others may be served from the page cache. Said loudly in the report.
 
 :func:`disk_bandwidth` measures sequential O_DIRECT read bandwidth of a file: the fallback for
-the I/O floor when `zipmoe plan`'s profile (runtime/profile.py) has not measured it.
+the I/O floor when `zipmoe plan`'s profile (runtime/plan/profile.py) has not measured it.
 """
 
 from __future__ import annotations
@@ -130,14 +130,14 @@ def disk_bandwidth(path, max_bytes: int = 1 << 30, block: int = 8 << 20) -> dict
 
 
 def profile_bandwidth(container, container_id: str, device: str = "cpu", profile_path=None, plan_path=None) -> dict | None:
-    """Disk bandwidth measured by `zipmoe plan` (runtime/profile.py), when there is one.
+    """Disk bandwidth measured by `zipmoe plan` (runtime/plan/profile.py), when there is one.
 
     In this order: ``--profile FILE`` (checked against this machine and file), the profile a
     plan.json carries, the per-machine profile cache. Returns ``{"bytes_per_s", "source"}`` or
     None (nothing is measured here: :func:`disk_bandwidth` is the fallback).
     """
     try:
-        from . import profile as prof
+        from zipmoe.runtime.plan import profile as prof
     except Exception:
         return None
     candidates = []

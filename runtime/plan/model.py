@@ -31,7 +31,7 @@ from itertools import combinations
 
 import numpy as np
 
-from .schedule_model import STATES, Costs, makespan_for_counts
+from zipmoe.runtime.plan.simulate import STATES, Costs, makespan_for_counts
 
 __all__ = [
     "POOL_ORDER", "solve_cps", "cps_inclusion", "pool_pmf", "compositions", "count_distribution",

@@ -71,7 +71,7 @@ import numpy as np
 
 from zipmoe.errors import UsageError
 
-from .schedule_model import Costs
+from zipmoe.runtime.plan.simulate import Costs
 
 __all__ = ["PROFILE_FORMAT", "machine_info", "machine_key", "default_profile_path", "measure",
            "load_profile", "save_profile", "check_profile", "costs_of", "get_profile"]
@@ -343,7 +343,7 @@ def _miss_pass(model, rt, prompt, tokens: int) -> dict:
     (mean layer makespan, experts per layer, reads of misses: count, bytes, seconds)."""
     import torch
 
-    from .counters import DecodeClock
+    from zipmoe.runtime.serve.counters import DecodeClock
 
     # between two forward steps, forget every cached expert
     clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
@@ -380,8 +380,8 @@ def _compressed_pass(model, rt, prompt, tokens: int) -> dict:
     layer and the share of fetched tensors that were compressed hits."""
     import torch
 
-    from .cache import ExpertCache
-    from .counters import DecodeClock
+    from zipmoe.runtime.serve.cache import ExpertCache
+    from zipmoe.runtime.serve.counters import DecodeClock
 
     old = rt.cache
     rt.cache = ExpertCache({"compressed": old.capacity_bytes()}, demote=None)
@@ -425,7 +425,7 @@ def serving_overheads(costs: Costs, tensors, serving: dict, workers: int, window
     """
     from dataclasses import replace
 
-    from .schedule_model import makespan_for_counts
+    from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     k = int(round(serving.get("experts_per_layer", 0)))
     kc = int(round((compressed or {}).get("experts_per_layer", 0)))
@@ -470,7 +470,7 @@ def _fit_merge_overhead(costs: Costs, counts: dict, tensors, workers: int, windo
     layer of ``counts`` take ``target`` seconds (bisection; nothing added when it already does)."""
     from dataclasses import replace
 
-    from .schedule_model import makespan_for_counts
+    from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     def layer(extra: float) -> float:
         return makespan_for_counts(counts, tensors, workers, replace(costs, merge_overhead_s=costs.merge_overhead_s + extra), window)
@@ -514,8 +514,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
     import zipmoe
 
-    from .counters import DecodeClock
-    from .loader import default_threads
+    from zipmoe.runtime.serve.counters import DecodeClock
+    from zipmoe.runtime.serve.loader import default_threads
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
     budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
@@ -588,8 +588,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     """Measure everything for ``path`` on ``device``; returns the profile dict (not saved)."""
     from zipmoe.codecs.reader import ContainerReader
 
-    from .loader import default_threads, default_workers
-    from .planner_layout import container_layout
+    from zipmoe.runtime.serve.loader import default_threads, default_workers
+    from zipmoe.runtime.plan.layout import container_layout
 
     workers = default_workers() if workers is None else int(workers)
     scale = 0.3 if quick else 1.0

@@ -8,10 +8,10 @@ Flow (one call of :func:`run_bench`):
    (``--source``, else the container is unpacked once into the work folder), the codec-raw
    container for ``uncompressed`` (packed once from the source), token ids of the prompts
    (tokenised once here, so every engine gets exactly the same ids; left padded).
-3. For each engine and budget: a worker process (runtime/bench_worker.py) inside a fresh
-   memory cgroup limited to ``budget + slack`` (runtime/bench_cgroup.py), cold or warm. Runs are
+3. For each engine and budget: a worker process (runtime/bench/worker.py) inside a fresh
+   memory cgroup limited to ``budget + slack`` (runtime/bench/cgroup.py), cold or warm. Runs are
    appended to out.json as they finish, so an error or a kill keeps what was measured.
-4. Summarise (runtime/bench_report.py): ratios, I/O floor, token check.
+4. Summarise (runtime/bench/report.py): ratios, I/O floor, token check.
 
 Errors of the user's making (a missing baseline package, a budget an engine cannot run in, a
 GPU requested without one) do not stop the other engines: they are recorded in out.json and
@@ -34,7 +34,13 @@ from pathlib import Path
 from zipmoe.errors import BudgetError, DeviceError, UsageError, ZipmoeError
 from zipmoe.units import format_size
 
-from . import bench_cgroup, bench_cold, bench_engines, bench_report
+from zipmoe.runtime.bench import cgroup as bench_cgroup
+
+from zipmoe.runtime.bench import cold as bench_cold
+
+from zipmoe.runtime.bench import engines as bench_engines
+
+from zipmoe.runtime.bench import report as bench_report
 
 SCHEMA = "zipmoe-bench/1"
 
@@ -308,7 +314,7 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
     t0 = time.perf_counter()
     try:
         with open(log_path, "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "zipmoe.runtime.bench_worker"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "zipmoe.runtime.bench.worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
             def pump():

@@ -13,7 +13,7 @@ e_only     its E chunks                             ``e_bytes`` (about 16%)
 
 Every expert tensor is in at most one pool (its *state*; none = a miss). Each pool has a byte
 capacity; the sum of the capacities is what the budget leaves after the dense weights and the
-working set (see :mod:`zipmoe.runtime.core`).
+working set (see :mod:`zipmoe.runtime.serve.core`).
 
 Policy. Each tensor has an activation count (incremented once per layer call that uses it)
 and a last-use clock. After a tensor has been used, it is *offered* to the pools above its

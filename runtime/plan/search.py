@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .planner_model import compositions
+from zipmoe.runtime.plan.model import compositions
 
 __all__ = ["POOLS", "SearchResult", "search", "single_pool_plans", "plan_bytes"]
 

@@ -25,7 +25,7 @@ imports torch), and ``close`` removes it. :func:`check_page_cache_cap` is the se
 benchmark report records: read a file three times the limit inside a limited cgroup and see how
 much of it the page cache kept.
 
-Run ``python -m zipmoe.runtime.bench_cgroup [--no-check] [--move-to-leaf]`` for the detection
+Run ``python -m zipmoe.runtime.bench.cgroup [--no-check] [--move-to-leaf]`` for the detection
 and the page-cache check as JSON.
 """
 
@@ -443,7 +443,7 @@ def check_page_cache_cap(limit_bytes: int = 512 << 20, file_bytes: int = 1536 <<
         )
         with MemoryCgroup(support, limit_bytes) as cg:
             env = dict(os.environ, **cg.env())
-            code = "from zipmoe.runtime.bench_cgroup import join_from_env; join_from_env()\n" + reader
+            code = "from zipmoe.runtime.bench.cgroup import join_from_env; join_from_env()\n" + reader
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", code, str(target)], env=env, capture_output=True, text=True)
             seconds = time.perf_counter() - t0

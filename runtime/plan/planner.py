@@ -16,11 +16,11 @@ import numpy as np
 from zipmoe.errors import BudgetError
 from zipmoe.units import format_size
 
-from .planner_layout import ContainerLayout
-from .planner_model import POOL_ORDER, LayerSet, MakespanTable, solve_cps
-from .planner_search import POOLS, search
-from .planner_stats import ActivationStats
-from .profile import costs_of
+from zipmoe.runtime.plan.layout import ContainerLayout
+from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, solve_cps
+from zipmoe.runtime.plan.search import POOLS, search
+from zipmoe.runtime.plan.stats import ActivationStats
+from zipmoe.runtime.plan.profile import costs_of
 
 __all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT"]
 

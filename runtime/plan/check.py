@@ -1,6 +1,6 @@
 """Measured against predicted: serve prompts under a plan (and its single-pool alternatives).
 
-    python -m zipmoe.runtime.planner_check M.zmoe --plan plan.json [--prompts builtin|FILE]
+    python -m zipmoe.runtime.plan.check M.zmoe --plan plan.json [--prompts builtin|FILE]
         [--tokens 32] [--alternatives] [--json] [--json-out FILE] [--workers N] [--device cpu]
         [--no-cascade] [--alternative NAME ...]
 
@@ -50,10 +50,10 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     import zipmoe
 
-    from .counters import DecodeClock
+    from zipmoe.runtime.serve.counters import DecodeClock
 
-    from .loader import default_threads
-    from .profile import load_kwargs
+    from zipmoe.runtime.serve.loader import default_threads
+    from zipmoe.runtime.plan.profile import load_kwargs
 
     workers = workers or plan.get("workers") or 1
     # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the
@@ -123,7 +123,7 @@ def _add(a: dict, b: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zipmoe.runtime.planner_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m zipmoe.runtime.plan.check", description=__doc__.splitlines()[0])
     ap.add_argument("container")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--prompts", default="builtin")

@@ -19,7 +19,7 @@ Resources: one I/O thread, ``workers`` decode threads (each decompresses with it
 DecodeContext into reusable scratch and merges with numba, both without the GIL: on the CPU
 the merge runs in the same worker job, ``Costs.merge_on_workers``), and the serving thread
 (the device), which computes. Order: the list schedule of
-:func:`zipmoe.runtime.schedule_model.order`, the one the planner simulates: the I/O thread and
+:func:`zipmoe.runtime.plan.simulate.order`, the one the planner simulates: the I/O thread and
 the workers each take the queued op that comes first in it (priority queues, not FIFO), i.e.
 Type I before Type II: ``none`` (shortest read first) < ``e_only`` < ``sm_only`` <
 ``compressed`` (largest first). So the disk starts with Type-I reads and stays busy while the
@@ -52,8 +52,8 @@ import torch
 
 from zipmoe.errors import ContainerError
 
-from .schedule_model import Task, order as priority_order
-from .store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, u16_view, verify
+from zipmoe.runtime.serve.order import Task, order as priority_order
+from zipmoe.runtime.serve.store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, u16_view, verify
 
 __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers", "demote"]
 

@@ -84,7 +84,7 @@ def missing_extra(name: str) -> str | None:
 def _load_fn():
     """runtime.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
     try:
-        from zipmoe.runtime import loader
+        from zipmoe.runtime.serve import loader
     except ImportError as exc:
         raise UsageError(f"the zipmoe runtime is not available in this build ({exc})") from None
     return loader.load

@@ -1,10 +1,10 @@
 """One engine's process in `zipmoe bench`: load, generate greedily, measure, report JSON.
 
-Run as ``python -m zipmoe.runtime.bench_worker`` with the spec (JSON) on stdin. It joins the
+Run as ``python -m zipmoe.runtime.bench.worker`` with the spec (JSON) on stdin. It joins the
 memory cgroup the parent made (``ZIPMOE_BENCH_CGROUP``) before importing torch, loads the
-engine (runtime/bench_engines.py), then for every case (batch, new tokens) and run:
+engine (runtime/bench/engines.py), then for every case (batch, new tokens) and run:
 
-- cold runs empty the page cache first (runtime/bench_cold.py; the mode is recorded);
+- cold runs empty the page cache first (runtime/bench/cold.py; the mode is recorded);
 - ``model.generate`` with greedy decoding and a fixed number of new tokens (EOS suppressed
   with ``min_new_tokens``), a streamer stamps the time of every token and snapshots the bytes
   read (``/proc/self/io`` ``read_bytes`` and the engine's counters) at the first token, so that
@@ -32,8 +32,8 @@ import threading
 import time
 import traceback
 
-from .bench_cgroup import join_from_env
-from .bench_cgroup import set_own_limit as bench_cgroup_set
+from zipmoe.runtime.bench.cgroup import join_from_env
+from zipmoe.runtime.bench.cgroup import set_own_limit as bench_cgroup_set
 
 
 def read_io() -> dict:
@@ -174,7 +174,7 @@ def counter_diff(a, b):
     if a is None:
         return b
     try:
-        from .counters import delta
+        from zipmoe.runtime.serve.counters import delta
 
         return delta(b, a)
     except Exception:
@@ -342,10 +342,11 @@ def main() -> int:
                 raise DeviceError("--device cuda but torch sees no CUDA device")
             doc["gpu"] = torch.cuda.get_device_name(0)
             doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
-        from . import bench_cold, bench_engines
+        from zipmoe.runtime.bench import cold as bench_cold
+        from zipmoe.runtime.bench import engines as bench_engines
 
         if spec.get("engine", "").startswith("zipmoe") or spec.get("engine") == "uncompressed":
-            from . import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
+            from zipmoe.runtime.serve import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
         else:
             import transformers  # noqa: F401
         if device == "cuda":

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .counters import delta
+from zipmoe.runtime.serve.counters import delta
 
 __all__ = ["TurnResult", "chat_inputs", "generate_turn"]
 

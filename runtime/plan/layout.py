@@ -115,8 +115,8 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     4 bytes per value in the full pool and in flight. ``device``: on CUDA each tensor in flight
     also has a pinned host staging buffer of its bf16 bytes (runtime.core).
     """
-    from .families import family_for
-    from .store import build_expert_tensors
+    from zipmoe.runtime.serve.families import family_for
+    from zipmoe.runtime.serve.store import build_expert_tensors
 
     meta_model = reader.meta.get("model") or {}
     family = family_for(reader.config, reader.meta)

@@ -87,44 +87,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-STATES = ("full", "compressed", "sm_only", "e_only", "none")
-TYPE_I = frozenset({"e_only", "none"})
-TYPE_II = frozenset({"compressed", "sm_only"})
-_READS = frozenset({"none", "e_only", "sm_only"})
-_CLASS = {"none": 0, "e_only": 1, "sm_only": 2, "compressed": 3, "full": 4}
-
-
-@dataclass(frozen=True)
-class Task:
-    """One chosen expert tensor of a sparse layer, in one cache state."""
-
-    state: str
-    nbytes: int  # decoded bf16 bytes (2 x numel)
-    e_bytes: int  # stored compressed E bytes
-    sm_bytes: int | None = None  # stored SM bytes (numel); None -> nbytes // 2
-    expert: Hashable | None = None  # tensors with the same key compute together; None -> alone
-    chunks: int = 1  # decompression jobs the runtime splits it into (its E chunks) when L > 1
-
-    def __post_init__(self) -> None:
-        if self.state not in _CLASS:
-            raise ValueError(f"unknown state {self.state!r}; expected one of {', '.join(STATES)}")
-        if int(self.chunks) < 1:
-            raise ValueError("Task.chunks must be at least 1")
-        if self.sm_bytes is None:
-            object.__setattr__(self, "sm_bytes", self.nbytes // 2)
-        if self.nbytes < 0 or self.e_bytes < 0 or self.sm_bytes < 0:
-            raise ValueError("byte counts must not be negative")
-
-    @property
-    def read_bytes(self) -> int:
-        """Bytes this task reads from the disk (0 when it reads nothing)."""
-        if self.state == "none":
-            return self.e_bytes + self.sm_bytes
-        if self.state == "e_only":
-            return self.sm_bytes
-        if self.state == "sm_only":
-            return self.e_bytes
-        return 0
+from zipmoe.runtime.serve.order import _READS, STATES, Task, order  # noqa: F401 (STATES, Task and order are re-exported for the planner)
 
 
 @dataclass(frozen=True)
@@ -157,21 +120,6 @@ def durations(task: Task, costs: Costs) -> tuple[float, float, float]:
     decomp = costs.decomp_overhead_s + task.nbytes / costs.decomp_bw_per_worker
     merge = costs.merge_overhead_s + task.nbytes / costs.merge_bw
     return read, decomp, merge
-
-
-def order(tasks: Sequence[Task]) -> list[int]:
-    """The priority list: indices of ``tasks``, first = most urgent (see the module docstring)."""
-
-    def key(i: int):
-        t = tasks[i]
-        c = _CLASS[t.state]
-        if t.state == "compressed":
-            second = -t.nbytes  # largest decompression first (fills the workers, LPT)
-        else:
-            second = t.read_bytes  # shortest read first: releases decode work early
-        return (c, second, i)
-
-    return sorted(range(len(tasks)), key=key)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The serving runtime: load a container as a transformers model, fetch experts on demand (store, cache pools, scheduler), counters, traces and the chat loop."""
