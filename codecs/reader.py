@@ -23,18 +23,12 @@ from zipmoe.errors import ChecksumError, ContainerError
 from zipmoe.kernels.cpu import merge_into
 
 from . import format as fmt
-from .checksum import checksum, container_id
+from .checksum import checksum, container_id, verify_chunk
 from .exponent import DecodeContext, get_codec, thread_context
 from .format import Chunk, FileEntry, TensorEntry
 
 __all__ = ["ContainerReader", "TensorEntry", "Chunk", "FileEntry", "DecodeContext",
            "decode_exp_into", "decode_chunks_into", "verify_chunk"]
-
-
-def verify_chunk(chunk: Chunk, stored, name: str = "?", k: int | str = "?") -> None:
-    """Raise ChecksumError("tensor NAME chunk K: checksum mismatch") when ``stored`` is bad."""
-    if len(stored) != chunk.length or checksum(stored) != chunk.checksum:
-        raise ChecksumError(f"tensor {name} chunk {k} ({chunk.kind}): checksum mismatch")
 
 
 def decode_chunks_into(entry: TensorEntry, chunks: list, stored, base: int, out: np.ndarray,
@@ -51,9 +45,8 @@ def decode_chunks_into(entry: TensorEntry, chunks: list, stored, base: int, out:
         if a < 0 or a + c.length > len(mv):
             raise ContainerError(f"tensor {entry.name}: chunk outside the bytes given")
         src = mv[a:a + c.length]
-        if verify and checksum(src) != c.checksum:
-            k = next(i for i, x in enumerate(entry.chunks) if x is c)
-            raise ChecksumError(f"tensor {entry.name} chunk {k} ({c.kind}): checksum mismatch")
+        if verify:
+            verify_chunk(c, src, entry.name, next(i for i, x in enumerate(entry.chunks) if x is c))
         get_codec(c.codec).decompress_into(src, out[c.raw_offset:c.raw_offset + c.raw_length], ctx)
 
 

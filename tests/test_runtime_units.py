@@ -15,7 +15,7 @@ from zipmoe.runtime.serve.cache import ExpertCache
 from zipmoe.runtime.serve.counters import Counters, delta
 from zipmoe.runtime.serve.families import family_for, supported_names
 from zipmoe.runtime.serve.loader import requirements, resolve_device
-from zipmoe.runtime.serve.store import ExpertStore
+from zipmoe.runtime.serve.reads import ExpertStore
 from zipmoe.runtime.serve.trace import read_trace
 
 from test_runtime_fixtures import container, inputs, reference

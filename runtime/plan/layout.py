@@ -116,7 +116,7 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     also has a pinned host staging buffer of its bf16 bytes (runtime.core).
     """
     from zipmoe.runtime.serve.families import family_for
-    from zipmoe.runtime.serve.store import build_expert_tensors
+    from zipmoe.runtime.serve.tensors import build_expert_tensors
 
     meta_model = reader.meta.get("model") or {}
     family = family_for(reader.config, reader.meta)

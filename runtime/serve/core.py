@@ -43,7 +43,7 @@ from zipmoe.units import format_size
 from zipmoe.runtime.serve.cache import POOLS, ExpertCache
 from zipmoe.runtime.serve.counters import Counters
 from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
-from zipmoe.runtime.serve.store import ExpertStore
+from zipmoe.runtime.serve.reads import ExpertStore
 from zipmoe.runtime.serve.trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
@@ -262,7 +262,8 @@ class Runtime:
                     return n
                 from zipmoe.codecs.exponent import DecodeContext
 
-                from zipmoe.runtime.serve.store import decode_into, slice_of, u16_view
+                from zipmoe.runtime.serve.decode import decode_into, u16_view
+                from zipmoe.runtime.serve.reads import slice_of
 
                 bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
                 e_parts = [slice_of(bufs, s.e_range) for s in t.segments]

@@ -302,7 +302,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
 
     # --- expert tensors and the budget check, before decoding anything large
     from zipmoe.runtime.serve.core import Runtime
-    from zipmoe.runtime.serve.store import build_expert_tensors
+    from zipmoe.runtime.serve.tensors import build_expert_tensors
 
     expected = {}
     for name, mod, layer in experts:

@@ -53,7 +53,10 @@ import torch
 from zipmoe.errors import ContainerError
 
 from zipmoe.runtime.serve.order import Task, order as priority_order
-from zipmoe.runtime.serve.store import ExpertTensor, decode_e_chunk, decode_exp_into, decode_into, slice_of, u16_view, verify
+from zipmoe.codecs.checksum import verify_chunk
+from zipmoe.runtime.serve.decode import decode_e_chunk, decode_exp_into, decode_into, u16_view
+from zipmoe.runtime.serve.reads import slice_of
+from zipmoe.runtime.serve.tensors import ExpertTensor
 
 __all__ = ["LayerScheduler", "issue_order", "expert_type", "PriorityWorkers", "demote"]
 
@@ -210,7 +213,7 @@ class LayerScheduler:
 
             for seg, sm in zip(t.segments, f.sm_parts):
                 if verify_sm:
-                    verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
+                    verify_chunk(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
                 dst = f.sm_host[seg.dst : seg.dst + seg.numel]
                 if seg.sm_chunk.codec == "raw":
                     dst[:] = sm
@@ -284,7 +287,7 @@ class LayerScheduler:
         timer = self.rt.counters.add_time
         t0 = time.perf_counter()
         if verify_sm:
-            verify(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
+            verify_chunk(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
         lo, n = c.raw_offset, c.raw_length
         dst = seg.dst + lo
         if self.cuda and self.device_merge:
