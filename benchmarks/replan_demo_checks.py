@@ -41,7 +41,8 @@ from zipmoe.errors import ZipmoeError
 from zipmoe.runtime.plan.layout import container_layout
 from zipmoe.runtime.plan.planner import Planner
 from zipmoe.runtime.plan.stats import from_traces
-from zipmoe.runtime.plan.profile import _serving_overheads_all_miss, costs_of, fit_increase, serving_overheads
+from zipmoe.runtime.plan.fits import _serving_overheads_all_miss, fit_increase, serving_overheads
+from zipmoe.runtime.plan.profile import costs_of
 from zipmoe.runtime.plan.simulate import makespan_for_counts
 
 FIRST, SECOND = "2026-11-30-h200-demo-cpu", "2026-11-30-h200-demo-gpu2"

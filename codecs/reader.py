@@ -281,11 +281,11 @@ def verify_container(path, against=None, workers: int | None = None,
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    from .writer import default_workers
+    from zipmoe.machine import pack_workers
 
     t0 = time.perf_counter()
     rep = VerifyReport()
-    workers = workers or default_workers()
+    workers = workers or pack_workers()
     ckpt = None
     if against is not None:
         from .checkpoint import open_checkpoint

@@ -175,7 +175,7 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
            progress: Callable[[int, int], None] | None = None) -> UnpackSummary:
     """Restore a model folder from a .zmoe (see the module docstring)."""
     from .reader import ContainerReader
-    from .writer import default_workers
+    from zipmoe.machine import pack_workers
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -186,7 +186,7 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
     parent = out_dir.parent if str(out_dir.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such folder for the output")
-    workers = workers or default_workers()
+    workers = workers or pack_workers()
     with ContainerReader(container_path) as r:
         plans = plan_tensors(r.entries)
         shards = shard_plan(plans, max_shard_bytes)

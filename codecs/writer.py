@@ -28,7 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from zipmoe import __version__
+from zipmoe.machine import pack_workers
+from zipmoe.version import __version__
 from zipmoe.errors import OutOfSpaceError, UsageError, ZipmoeError
 from zipmoe.kernels.cpu import split_into
 
@@ -41,13 +42,6 @@ _SPACE_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFB
 _PROJ_ORDER = {"gate": 0, "up": 1, "gate_up": 2, "down": 3}
 _ZEROS = bytes(fmt.ALIGNMENT)
 _FILE_CODEC = "zstd-fast"
-
-
-def default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -95,7 +89,7 @@ class ContainerWriter:
         if shard_size < 1 or shard_size >= 1 << 31:
             raise UsageError(f"shard size must be between 1 byte and 2 GiB, got {shard_size}")
         self.shard_size = int(shard_size)
-        self.workers = workers or default_workers()
+        self.workers = workers or pack_workers()
         if self.workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         self.force = force

@@ -12,6 +12,7 @@ from zipmoe.errors import UsageError
 from zipmoe.runtime.bench import cgroup as bench_cgroup
 from zipmoe.runtime.bench import cold as bench_cold
 from zipmoe.runtime.bench import engines as bench_engines
+from zipmoe.runtime.bench import inputs as bench_inputs
 from zipmoe.runtime.bench import report as bench_report
 from zipmoe.runtime.bench import run as bench_run
 
@@ -112,19 +113,19 @@ def test_render_table_and_plot_message(monkeypatch):
 
 
 def test_cases_left_padded_and_prompts(tmp_path):
-    cases = bench_run.make_cases([[5, 6, 7], [8]], pad=0, batches=[1, 3], new_tokens=[4, 8])
+    cases = bench_inputs.make_cases([[5, 6, 7], [8]], pad=0, batches=[1, 3], new_tokens=[4, 8])
     assert [c["id"] for c in cases] == ["b1-n4", "b1-n8", "b3-n4", "b3-n8"]
     c = cases[2]
     assert c["input_ids"] == [[5, 6, 7], [0, 0, 8], [5, 6, 7]]
     assert c["attention_mask"] == [[1, 1, 1], [0, 0, 1], [1, 1, 1]]
     p = tmp_path / "p.jsonl"
     p.write_text('{"prompt": "a b"}\n\n"plain"\n')
-    assert bench_run.read_prompts(p) == ["a b", "plain"]
+    assert bench_inputs.read_prompts(p) == ["a b", "plain"]
     with pytest.raises(UsageError, match="no such file"):
-        bench_run.read_prompts(tmp_path / "missing.txt")
-    ids, pad, origin = bench_run.tokenize(["x", "yy"], None, {"vocab_size": 50, "pad_token_id": 3}, 64, 0)
+        bench_inputs.read_prompts(tmp_path / "missing.txt")
+    ids, pad, origin = bench_inputs.tokenize(["x", "yy"], None, {"vocab_size": 50, "pad_token_id": 3}, 64, 0)
     assert pad == 3 and "synthetic" in origin and all(0 <= t < 50 for row in ids for t in row)
-    assert bench_run.tokenize(["x", "yy"], None, {"vocab_size": 50}, 64, 0)[0] == ids  # deterministic
+    assert bench_inputs.tokenize(["x", "yy"], None, {"vocab_size": 50}, 64, 0)[0] == ids  # deterministic
 
 
 def test_parse_lists_and_engines():
@@ -420,7 +421,7 @@ def test_cli_cuda_without_gpu(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--device", "cuda"], capsys)
-    assert code == 1 and len(err) == 1 and "no CUDA GPU" in err[0]
+    assert code == 1 and len(err) == 1 and "no CUDA device" in err[0]
 
 
 def test_cli_plot_without_matplotlib(capsys, tmp_path):

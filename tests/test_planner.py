@@ -188,7 +188,7 @@ def test_serving_overheads_recover_what_the_runtime_adds():
     latency, and layer time beyond the schedule model becomes a per-tensor overhead."""
     from dataclasses import replace
 
-    from zipmoe.runtime.plan.profile import serving_overheads
+    from zipmoe.runtime.plan.fits import serving_overheads
     from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)
@@ -213,7 +213,7 @@ def test_serving_overheads_split_by_the_compressed_pass():
     reproduced, and a compressed hit is not charged what the reads cost."""
     from dataclasses import replace
 
-    from zipmoe.runtime.plan.profile import serving_overheads
+    from zipmoe.runtime.plan.fits import serving_overheads
     from zipmoe.runtime.plan.simulate import makespan_for_counts
 
     base = Costs(disk_bw=1e9, disk_latency=1e-4, decomp_bw_per_worker=1e9, merge_bw=1e11, compute_s_per_expert=2e-4)

@@ -167,7 +167,7 @@ def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed
     pytest.importorskip("zipmoe.runtime.serve.loader")
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import container_layout
-    from zipmoe.runtime.plan.profile import measure_runtime
+    from zipmoe.runtime.plan.passes import measure_runtime
 
     path, _ = container
     with ContainerReader(path) as r:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .errors import ZipmoeError
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["ZipmoeError", "__version__", "load"]
 

@@ -9,8 +9,6 @@ from typing import List, Optional
 
 import typer
 
-from .app import app
-
 SUMMARY_ABOVE = 40  # more tensors than this: per-role totals + the top N, unless --all
 
 
@@ -22,7 +20,6 @@ def _bits(x: float | None, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-@app.command(name="analyze")
 def analyze(
     path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors) or one .safetensors file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),

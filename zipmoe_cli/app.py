@@ -1,6 +1,11 @@
 """The typer application and the one place where errors become exit codes.
 
-Every command lives in its own module and registers itself on :data:`app`. Errors a user can
+Every command is a function in its own module (``zipmoe_cli/analyze.py`` has ``analyze``, ...);
+:func:`register` adds them to :data:`app` when :func:`main` runs (the command modules never
+import this one: one direction only). The command modules import nothing heavy at their top
+(no torch, no transformers): ``zipmoe --help`` and ``zipmoe CMD --help`` stay fast, and each
+command imports what it needs when it runs. A new command: a module with its function, and one
+line in :func:`register`. Errors a user can
 cause are :class:`zipmoe.errors.ZipmoeError`: they print as one line on stderr and exit
 non-zero. Anything else is a bug: it prints one line too, unless ``--debug`` (anywhere on the
 command line) or ``ZIPMOE_DEBUG=1`` asks for the traceback.
@@ -13,7 +18,7 @@ import sys
 
 import typer
 
-from zipmoe import __version__
+from zipmoe.version import __version__
 from zipmoe.errors import ZipmoeError
 
 app = typer.Typer(
@@ -40,9 +45,20 @@ def _root(
     """Lossless compression and SSD serving for Mixture-of-Experts models."""
 
 
-def _register() -> None:
-    # Imported for their side effect: each module adds its command to `app`.
-    from . import analyze, bench, chat, pack, plan, synth, unpack, verify  # noqa: F401
+def register() -> None:
+    """Add every command to :data:`app` (once), in the order ``zipmoe --help`` lists them."""
+    if app.registered_commands:
+        return
+    from . import analyze, bench, chat, pack, plan, synth, unpack, verify
+
+    app.command(name="analyze")(analyze.analyze)
+    app.command(name="bench")(bench.bench)
+    app.command(name="chat")(chat.chat)
+    app.command(name="pack")(pack.pack)
+    app.command(name="plan")(plan.plan)
+    app.command(name="synth", help=synth.HELP)(synth.synth)
+    app.command(name="unpack")(unpack.unpack)
+    app.command(name="verify")(verify.verify)
 
 
 def _fail(message: str, code: int) -> None:
@@ -56,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("ZIPMOE_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
-    _register()
+    register()
     try:
         app(args=args, prog_name="zipmoe", standalone_mode=True)
     except ZipmoeError as exc:
@@ -78,7 +94,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # Run through the package module, so that commands register on the one `app` object.
-    from zipmoe_cli.app import main as _main
-
-    _main()
+    main()

@@ -1,7 +1,8 @@
 """`zipmoe bench`: zipmoe against Accelerate's disk offload (and other baselines), side by side.
 
-The work is in zipmoe.runtime.bench.run (driver), bench_worker (one engine's process),
-bench_engines, bench_cgroup, bench_cold and bench_report; docs/bench.md explains the method.
+The work is in zipmoe.runtime.bench: run (the driver), inputs (prompts, token ids, the files the
+engines read), worker (one engine's process), engines, cgroup, cold and report; docs/bench.md
+explains the method.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-
-from .app import app
 
 
 class _Progress:
@@ -69,7 +68,6 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
         con.print(f"  plot: {plot_path}")
 
 
-@app.command(name="bench")
 def bench(
     file: Optional[Path] = typer.Argument(None, help="The .zmoe container (not needed with --report)."),
     baseline: List[str] = typer.Option([], "--baseline", help="Baseline to compare with: accelerate, uncompressed, resident (repeatable)."),

@@ -16,8 +16,6 @@ from typing import Optional
 
 import typer
 
-from .app import app
-
 
 def _mb(n) -> str:
     return f"{(n or 0) / 1e6:.1f} MB"
@@ -74,7 +72,6 @@ def _cumulative(model) -> str:
               f"of {format_size(rt.budget)}\npools: {pool_s}")
 
 
-@app.command(name="chat")
 def chat(
     file: Path = typer.Argument(..., help="The .zmoe file."),
     budget: str = typer.Option("8G", "--budget", help="Memory for weights: dense + expert cache + in-flight (e.g. 8G, 512M)."),
@@ -99,7 +96,8 @@ def chat(
 
     from zipmoe.errors import UsageError, ZipmoeError
     from zipmoe.runtime.serve.generate import chat_inputs, generate_turn
-    from zipmoe.runtime.serve.loader import default_threads, default_workers, load
+    from zipmoe.machine import decode_workers, torch_threads
+    from zipmoe.runtime.serve.loader import load
     from zipmoe.units import parse_size
 
     if as_json and prompt is None:
@@ -113,8 +111,8 @@ def chat(
     if workers < 0 or threads < 0:
         raise UsageError("--workers and --threads must be at least 1")
     budget_bytes = parse_size(budget)
-    workers = workers or default_workers()
-    threads = threads or default_threads(workers)
+    workers = workers or decode_workers()
+    threads = threads or torch_threads(workers)
     err = Console(stderr=True, highlight=False)
     out = Console(highlight=False, soft_wrap=True)
     quiet = as_json

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-from .app import app
-
 
 def progress_bar(description: str):
     """A rich progress bar for byte counts; returns (progress, callback)."""
@@ -27,7 +25,6 @@ def progress_bar(description: str):
     return prog, update
 
 
-@app.command(name="pack")
 def pack(
     path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors) or one .safetensors file."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .zmoe file."),

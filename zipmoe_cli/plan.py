@@ -3,106 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import typer
-
-from .app import app
-
-BUILTIN_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain how a binary search works.",
-    "List three uses of a paperclip.",
-    "def fibonacci(n):",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-]
-
-
-def default_workers() -> int:
-    """runtime.loader.default_workers (half the cores, at least 1), without importing torch."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // 2)
-
-
-def _device(name: str) -> str:
-    from zipmoe.errors import DeviceError, UsageError
-
-    name = name.lower()
-    if name not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"unknown device {name!r} (use auto, cpu or cuda)")
-    if name == "cpu" or (name == "auto" and not os.path.exists("/proc/driver/nvidia/version")):
-        return "cpu"  # without an NVIDIA driver there is no CUDA: skip importing torch
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise DeviceError("--device cuda: no CUDA device is available here (use --device cpu)")
-    return name
-
-
-def _read_prompts(prompts_arg: str) -> list[str]:
-    from zipmoe.errors import UsageError
-
-    if prompts_arg == "builtin":
-        return list(BUILTIN_PROMPTS)
-    p = Path(prompts_arg)
-    try:
-        prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError as exc:
-        raise UsageError(f"cannot read prompts {p}: {exc.strerror or exc} (one prompt per line, or `builtin`)") from None
-    if not prompts:
-        raise UsageError(f"{p} has no prompts (one per line)")
-    return prompts
-
-
-def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
-               dtype: str = "bfloat16") -> Path:
-    """Run the model on prompts through the runtime with a trace on; returns the trace path."""
-    from zipmoe.errors import UsageError, ZipmoeError
-
-    try:
-        import torch
-
-        import zipmoe
-    except ImportError as exc:  # pragma: no cover
-        raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
-    from zipmoe.runtime.plan.profile import load_kwargs
-
-    from zipmoe.runtime.serve.loader import default_threads
-
-    model, tok = zipmoe.load(path, budget=budget, device=device, workers=workers, threads=default_threads(workers),
-                             **load_kwargs(dtype))
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
-    fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
-    os.close(fd)
-    rt = model.zipmoe
-    rt.start_trace(trace)
-    try:
-        with torch.inference_mode():
-            for prompt in prompts:
-                if getattr(tok, "chat_template", None):
-                    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  return_tensors="pt", return_dict=True)["input_ids"]
-                else:
-                    ids = tok(prompt, return_tensors="pt")["input_ids"]
-                ids = ids.to(model.device)
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    finally:
-        rt.stop_trace()
-    return Path(trace)
 
 
 def _table(plan: dict, console) -> None:
     from rich.table import Table
 
+    from zipmoe.runtime.serve.states import POOLS, STATES
     from zipmoe.units import format_size
 
     rows = [("chosen", plan)] + list(plan["alternatives"].items())
@@ -119,9 +28,9 @@ def _table(plan: dict, console) -> None:
         slots = p["slots"]["per_layer"] if name == "chosen" else p["slots"]
         h = p["expected_hits"]
         style = "bold green" if name == "chosen" else None
-        t.add_row(name, "·".join(str(slots[s]) for s in ("full", "compressed", "sm_only", "e_only")),
+        t.add_row(name, "·".join(str(slots[s]) for s in POOLS),
                   format_size(sum(p["pools"].values())),
-                  "·".join(f"{h[s]:.2g}" for s in ("full", "compressed", "sm_only", "e_only", "none")),
+                  "·".join(f"{h[s]:.2g}" for s in STATES),
                   f"{1e3 * p['expected_layer_makespan_s']:.3f}ms", f"{1e3 * p['expected_tpot_s']:.2f}ms",
                   f"{p['expected_tpot_s'] / best:.2f}x" if best > 0 else "-", style=style)
     console.print(t)
@@ -129,7 +38,6 @@ def _table(plan: dict, console) -> None:
                   "hottest first, in that order[/dim]")
 
 
-@app.command(name="plan")
 def plan(
     path: Path = typer.Argument(..., metavar="FILE.zmoe", help="The .zmoe container."),
     budget: str = typer.Option(None, "--budget", "-b", metavar="SIZE", help="Memory for weights: 24G, 24GiB, 512M, 1.5T or bytes."),
@@ -150,6 +58,8 @@ def plan(
 
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.errors import UsageError
+    from zipmoe.machine import decode_workers, resolve_device
+    from zipmoe.runtime.plan.calibrate import read_prompts, record_trace
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
@@ -160,11 +70,11 @@ def plan(
     con = Console()
     if workers < 0:
         raise UsageError(f"--workers must be at least 1, got {workers}")
-    workers = workers or default_workers()
+    workers = workers or decode_workers()
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget_bytes is None and not profile_only:
         raise UsageError("--budget is required (e.g. --budget 24G), unless --profile-only")
-    dev = _device(device)
+    dev = resolve_device(device)
     with ContainerReader(path) as reader:
         layout = container_layout(reader, dtype, dev)
         cid = reader.container_id
@@ -179,12 +89,12 @@ def plan(
             from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
                         layers=layout.sparse_layers)
         if calibrate is not None:
-            prompts = _read_prompts(calibrate)
+            prompts = read_prompts(calibrate)
             if not as_json:
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
             if calibrate_tokens < 1:
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
-            traces.append(_calibrate(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype))
+            traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
@@ -245,7 +155,7 @@ def plan(
               f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
               f"expert {1e3 * c['compute_s_per_expert']:.3f} ms")
-    if dev == "cuda":
+    if dev.startswith("cuda"):
         con.print("[dim]the full pool lives in GPU memory, the other pools in pinned host memory; the budget counts both[/dim]")
     _table(result, con)
     singles = [v["expected_tpot_s"] for k, v in result["alternatives"].items() if k != "no cache"]

@@ -7,8 +7,6 @@ from typing import Optional
 
 import typer
 
-from .app import app
-
 HELP = """Write a checkpoint that transformers loads offline.
 
 [bold]zipmoe synth FAMILY -o DIR[/bold] writes random weights with a real model's shapes
@@ -17,7 +15,6 @@ SmolLM2-135M-Instruct into a Mixtral MoE that chats; [bold]zipmoe synth --list[/
 families and presets."""
 
 
-@app.command(name="synth", help=HELP)
 def synth(
     family: Optional[str] = typer.Argument(None, help="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, switch_transformers, or demo."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (must be empty unless --force)."),

@@ -6,10 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .app import app
 
-
-@app.command(name="unpack")
 def unpack(
     file: Path = typer.Argument(..., help="The .zmoe file."),
     out: Path = typer.Option(..., "-o", "--out", help="Output folder."),

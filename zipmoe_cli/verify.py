@@ -7,10 +7,7 @@ from typing import Optional
 
 import typer
 
-from .app import app
 
-
-@app.command(name="verify")
 def verify(
     file: Path = typer.Argument(..., help="The .zmoe file."),
     against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit."),

@@ -169,10 +169,7 @@ def load_engine(spec: dict):
     es = engine(name)
     device = spec["device"]
     if es.kind == "zipmoe":
-        _load_fn()  # a clear error when the runtime is missing
-        import zipmoe
-
-        fn = zipmoe.load
+        fn = _load_fn()  # runtime.serve.loader.load (a clear error when the runtime is missing)
         kwargs = {}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])

@@ -24,6 +24,7 @@ import statistics
 from collections import defaultdict
 
 from zipmoe.errors import UsageError
+from zipmoe.runtime.serve.states import STATES
 
 ZIPMOE_ENGINES = ("zipmoe", "zipmoe-pools", "zipmoe-basic")
 BASELINE_ORDER = ("accelerate", "uncompressed", "resident")
@@ -201,7 +202,7 @@ def _fmt_hits(h: dict | None) -> str:
     total = sum(h.values())
     if not total:
         return ""
-    return "·".join(f"{100 * h.get(k, 0) / total:.0f}" for k in ("full", "compressed", "sm_only", "e_only", "none"))
+    return "·".join(f"{100 * h.get(k, 0) / total:.0f}" for k in STATES)
 
 
 def _fmt_x(v: float | None) -> str:

@@ -4,7 +4,7 @@ Flow (one call of :func:`run_bench`):
 
 1. Check the request: the container opens, the device exists, each baseline's packages are
    installed, the runtime accepts each zipmoe engine's options, budgets parse.
-2. Prepare what the engines read: the source safetensors folder for the Hugging Face engines
+2. Prepare what the engines read (runtime/bench/inputs.py): the source safetensors folder for the Hugging Face engines
    (``--source``, else the container is unpacked once into the work folder), the codec-raw
    container for ``uncompressed`` (packed once from the source), token ids of the prompts
    (tokenised once here, so every engine gets exactly the same ids; left padded).
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import threading
@@ -31,30 +30,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zipmoe.errors import BudgetError, DeviceError, UsageError, ZipmoeError
+from zipmoe.errors import BudgetError, UsageError, ZipmoeError
+from zipmoe.machine import resolve_device
+from zipmoe.runtime.bench import cgroup, cold, engines, report
+from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, prepare_raw_container, prepare_source,
+                                         read_prompts, tokenize)
 from zipmoe.units import format_size
 
-from zipmoe.runtime.bench import cgroup as bench_cgroup
-
-from zipmoe.runtime.bench import cold as bench_cold
-
-from zipmoe.runtime.bench import engines as bench_engines
-
-from zipmoe.runtime.bench import report as bench_report
-
 SCHEMA = "zipmoe-bench/1"
-
-DEFAULT_PROMPTS = [
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "Explain in one paragraph why the sky is blue.",
-    "def fibonacci(n):",
-    "List three facts about the Moon:",
-    "Translate to German: The weather is nice today.",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-]
-
 
 @dataclass
 class BenchConfig:
@@ -75,7 +58,7 @@ class BenchConfig:
     min_tokens: int = 2
     threads: int | None = None
     cgroup: bool = True
-    cgroup_move_to_leaf: bool = False  # cgroup v2: move this cgroup's processes into a leaf child (bench_cgroup.detect)
+    cgroup_move_to_leaf: bool = False  # cgroup v2: move this cgroup's processes into a leaf child (cgroup.detect)
     cold_method: str = "auto"  # auto (drop_caches where permitted, else fadvise), drop_caches, fadvise
     cgroup_slack: int | None = None
     disk_bw: float | None = None
@@ -103,22 +86,6 @@ def parse_int_list(text: str, what: str) -> list[int]:
     if not vals or any(v <= 0 for v in vals):
         raise UsageError(f"{what} must be positive whole numbers, got {text!r}")
     return vals
-
-
-def resolve_device(device: str) -> str:
-    if device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"unknown device {device!r}: use auto, cpu or cuda")
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if device == "cuda" and not has_cuda:
-        raise DeviceError("--device cuda but no CUDA GPU is available here (use --device cpu)")
-    if device == "auto":
-        return "cuda" if has_cuda else "cpu"
-    return device
 
 
 def machine_info(device: str) -> dict:
@@ -160,80 +127,6 @@ def machine_info(device: str) -> dict:
     return info
 
 
-# ----------------------------------------------------------------------------- inputs
-
-
-def read_prompts(path: Path | None) -> list[str]:
-    if path is None:
-        return list(DEFAULT_PROMPTS)
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--prompts {p}: no such file")
-    text = p.read_text(encoding="utf-8", errors="replace")
-    prompts = []
-    if p.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"--prompts {p}: line {n} is not JSON (use one JSON object per line, or plain text lines)") from None
-            prompts.append(obj if isinstance(obj, str) else str(obj.get("prompt") or obj.get("text") or ""))
-    else:
-        prompts = [line for line in text.splitlines() if line.strip()]
-    prompts = [x for x in prompts if x.strip()]
-    if not prompts:
-        raise UsageError(f"--prompts {p}: no prompts in the file (one per line)")
-    return prompts
-
-
-def load_tokenizer(folder: Path | None):
-    """The model's tokenizer from a folder, or None when it has no tokenizer files."""
-    if folder is None or not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception:
-        return None
-
-
-def tokenize(prompts: list[str], tokenizer, config: dict, max_tokens: int, seed: int) -> tuple[list[list[int]], int, str]:
-    """Token ids per prompt, the pad id, and where the ids came from."""
-    pad = config.get("pad_token_id")
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if tokenizer is not None:
-        ids = [tokenizer(p, add_special_tokens=True)["input_ids"][:max_tokens] for p in prompts]
-        tpad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        pad = tpad if tpad is not None else (pad if pad is not None else (eos if eos is not None else 0))
-        ids = [x if x else [pad] for x in ids]
-        return ids, int(pad), "tokenizer"
-    vocab = int(config.get("vocab_size") or 1000)
-    rng = random.Random(seed)
-    ids = []
-    for i, p in enumerate(prompts):  # deterministic ids of varying length (no tokenizer in the model)
-        n = max(4, min(max_tokens, 8 + (len(p) % 17)))
-        ids.append([rng.randrange(min(vocab, 32000) if vocab > 2 else vocab) for _ in range(n)])
-    return ids, int(pad if pad is not None else (eos if eos is not None else 0)), "synthetic ids (the model has no tokenizer)"
-
-
-def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_tokens: list[int]) -> list[dict]:
-    """One case per (batch, new tokens): rows are prompts taken in order (cycling), left padded."""
-    cases = []
-    for b in batches:
-        rows = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
-        width = max(len(r) for r in rows)
-        ids = [[pad] * (width - len(r)) + r for r in rows]
-        mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
-        for n in new_tokens:
-            cases.append({"id": f"b{b}-n{n}", "batch": b, "new_tokens": n, "input_ids": ids, "attention_mask": mask, "pad_token_id": pad})
-    return cases
-
-
 # ----------------------------------------------------------------------------- preparation
 
 
@@ -242,46 +135,6 @@ def _container_info(path: Path) -> tuple[dict, dict, str]:
 
     with ContainerReader(path) as r:
         return dict(r.config or {}), dict(r.meta or {}), r.container_id
-
-
-def prepare_source(cfg: BenchConfig, work: Path, log) -> Path:
-    """The safetensors folder the Hugging Face engines load: --source, or the container unpacked."""
-    if cfg.source is not None:
-        src = Path(cfg.source)
-        if not (src / "config.json").is_file():
-            raise UsageError(f"--source {src}: not a model folder (no config.json)")
-        return src
-    if cfg.container is None:
-        raise UsageError("the Hugging Face engines need --source DIR or a container to unpack")
-    out = work / "source"
-    stamp = out / ".zipmoe-bench-unpacked"
-    if stamp.exists() and stamp.read_text().strip() == str(cfg.container.stat().st_mtime_ns):
-        return out
-    log(f"unpacking {cfg.container} to {out} for the Hugging Face engines (once)")
-    from zipmoe.codecs.safetensors_out import unpack
-
-    unpack(cfg.container, out, force=True)
-    stamp.write_text(str(cfg.container.stat().st_mtime_ns))
-    return out
-
-
-def prepare_raw_container(cfg: BenchConfig, work: Path, source: Path, log) -> Path:
-    """A codec-raw container of the same model (the `uncompressed` engine), packed once."""
-    if cfg.raw_container is not None:
-        if not Path(cfg.raw_container).is_file():
-            raise UsageError(f"--raw-container {cfg.raw_container}: no such file")
-        return Path(cfg.raw_container)
-    out = work / "raw.zmoe"
-    stamp = work / "raw.zmoe.source"
-    ident = f"{source.resolve()}:{max((p.stat().st_mtime_ns for p in source.glob('*.safetensors')), default=0)}"
-    if out.exists() and stamp.exists() and stamp.read_text() == ident:
-        return out
-    log(f"packing {source} with codec raw to {out} for the 'uncompressed' engine (once)")
-    from zipmoe.codecs.writer import pack
-
-    pack(source, out, codec="raw", force=True)
-    stamp.write_text(ident)
-    return out
 
 
 def default_slack(device: str) -> int:
@@ -306,7 +159,7 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cg = None
     if cgroup_support is not None and limit is not None:
-        cg = bench_cgroup.MemoryCgroup(cgroup_support, limit)
+        cg = cgroup.MemoryCgroup(cgroup_support, limit)
         env.update(cg.env())
     result_path = Path(spec["result_path"])
     if result_path.exists():
@@ -386,10 +239,10 @@ def finalize(doc: dict) -> dict:
             doc["machine"].setdefault("gpu", res["gpu"])
             doc["machine"].setdefault("gpu_memory_bytes", res.get("gpu_memory_bytes"))
     bw = (doc.get("disk_bw") or {}).get("bytes_per_s")
-    rows = bench_report.summarize(runs, bw)
+    rows = report.summarize(runs, bw)
     doc["summary"] = rows
-    doc["ratios"] = bench_report.ratios(rows)
-    doc["token_check"] = bench_report.token_check(runs)
+    doc["ratios"] = report.ratios(rows)
+    doc["token_check"] = report.token_check(runs)
     return doc
 
 
@@ -419,7 +272,7 @@ def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
     """(engine, budget) pairs in run order; resident once, without a budget."""
     work = []
     for eng in cfg.engines:
-        if bench_engines.engine(eng).budgeted:
+        if engines.engine(eng).budgeted:
             work += [(eng, b) for b in cfg.budgets]
         else:
             work.append((eng, None))
@@ -431,12 +284,12 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     errors: list[str] = []
     device = resolve_device(cfg.device)
     for eng in cfg.engines:
-        bench_engines.engine(eng)
+        engines.engine(eng)
     if cfg.container is None or not Path(cfg.container).is_file():
         raise UsageError(f"{cfg.container}: no such .zmoe file")
     if cfg.plan is not None and not Path(cfg.plan).is_file():
         raise UsageError(f"--plan {cfg.plan}: no such file")
-    if not cfg.budgets and any(bench_engines.engine(e).budgeted for e in cfg.engines):
+    if not cfg.budgets and any(engines.engine(e).budgeted for e in cfg.engines):
         raise UsageError("give at least one --budget SIZE (e.g. --budget 8G)")
     config, meta, cid = _container_info(cfg.container)
     work = Path(cfg.work_dir) if cfg.work_dir else Path(cfg.container).with_name(Path(cfg.container).stem + ".bench")
@@ -461,7 +314,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     # engines that cannot run at all: say why, keep going with the others
     runnable = []
     for eng in cfg.engines:
-        why = bench_engines.missing_extra(eng) or bench_engines.check_runtime_options(eng)
+        why = engines.missing_extra(eng) or engines.check_runtime_options(eng)
         if why:
             errors.append(why)
             doc["errors"].append({"engine": eng, "error": why})
@@ -471,10 +324,10 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         log("note: no --plan given: the 'zipmoe' engine runs with the runtime's default pool split")
 
     # cgroup
-    support = (bench_cgroup.detect(move_to_leaf=cfg.cgroup_move_to_leaf) if cfg.cgroup
-               else bench_cgroup.CgroupSupport(False, reason="disabled with --no-cgroup"))
+    support = (cgroup.detect(move_to_leaf=cfg.cgroup_move_to_leaf) if cfg.cgroup
+               else cgroup.CgroupSupport(False, reason="disabled with --no-cgroup"))
     for note in support.notes:
-        if note.startswith(bench_cgroup.MOVED_NOTE):  # processes were moved (--cgroup-move-to-leaf): say so on the console too
+        if note.startswith(cgroup.MOVED_NOTE):  # processes were moved (--cgroup-move-to-leaf): say so on the console too
             log(f"note: {note}")
     doc["cgroup"] = support.to_dict()
     if not support.usable:
@@ -483,14 +336,14 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     doc["cgroup"]["slack_bytes"] = slack
 
     # what the engines read
-    needs_source = any(bench_engines.engine(e).needs == "source" for e in runnable) or (
+    needs_source = any(engines.engine(e).needs == "source" for e in runnable) or (
         "uncompressed" in runnable and cfg.raw_container is None)
     source = raw = None
     def _drop(which: str, exc: ZipmoeError) -> list[str]:
         msg = str(exc).splitlines()[0]
         errors.append(msg)
         doc["errors"].append({"engine": "prepare", "error": msg})
-        return [e for e in runnable if bench_engines.engine(e).needs not in which]
+        return [e for e in runnable if engines.engine(e).needs not in which]
 
     if needs_source:
         try:
@@ -508,10 +361,10 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     if cfg.disk_bw:
         bw = {"bytes_per_s": float(cfg.disk_bw), "source": "--disk-bw"}
     else:
-        bw = bench_cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan)
+        bw = cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan)
         if bw is None:
-            bench_cold.make_cold([cfg.container], cfg.allow_drop_caches)
-            m = bench_cold.disk_bandwidth(cfg.container)
+            cold.make_cold([cfg.container], cfg.allow_drop_caches)
+            m = cold.disk_bandwidth(cfg.container)
             bw = {"bytes_per_s": m["bytes_per_s"], "source": "measured by bench: sequential " + ("O_DIRECT" if m["o_direct"] else "buffered (cache dropped)") + f" read of {format_size(m['bytes'])} of the container"}
     doc["disk_bw"] = bw
 
@@ -537,7 +390,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                       "prompt_tokens": [len(x) for x in ids]}
 
     cold_paths = [p for p in (cfg.container, raw, source, work / "offload") if p is not None]
-    doc["cold_mode"] = bench_cold.cold_mode_available(cold_paths, cfg.allow_drop_caches) if cfg.cold else "warm"
+    doc["cold_mode"] = cold.cold_mode_available(cold_paths, cfg.allow_drop_caches) if cfg.cold else "warm"
     if cfg.cold and doc["cold_mode"] == "o_direct":
         log("note: cannot drop the page cache here: only engines that read with O_DIRECT (zipmoe) are cold")
 

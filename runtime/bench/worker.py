@@ -32,8 +32,7 @@ import threading
 import time
 import traceback
 
-from zipmoe.runtime.bench.cgroup import join_from_env
-from zipmoe.runtime.bench.cgroup import set_own_limit as bench_cgroup_set
+from zipmoe.runtime.bench.cgroup import join_from_env, set_own_limit
 
 
 def read_io() -> dict:
@@ -342,8 +341,7 @@ def main() -> int:
                 raise DeviceError("--device cuda but torch sees no CUDA device")
             doc["gpu"] = torch.cuda.get_device_name(0)
             doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
-        from zipmoe.runtime.bench import cold as bench_cold
-        from zipmoe.runtime.bench import engines as bench_engines
+        from zipmoe.runtime.bench import cold, engines
 
         if spec.get("engine", "").startswith("zipmoe") or spec.get("engine") == "uncompressed":
             from zipmoe.runtime.serve import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
@@ -357,14 +355,14 @@ def main() -> int:
             base = rss_bytes()
             limit = int(spec["budget"]) + base + int(spec["cgroup_margin"])
             doc["process_base_rss_bytes"] = base
-            doc["cgroup_limit_bytes"] = limit if bench_cgroup_set(cgroup, limit) else None
+            doc["cgroup_limit_bytes"] = limit if set_own_limit(cgroup, limit) else None
 
         cold_paths = spec.get("cold_paths") or []
         # no cache drop before loading: it would also evict torch's own libraries and time
         # their re-reading; every measured run below starts cold
         io0 = read_io().get("read_bytes", 0)
         t0 = time.perf_counter()
-        model, runtime, info = bench_engines.load_engine(spec)
+        model, runtime, info = engines.load_engine(spec)
         doc["load_s"] = time.perf_counter() - t0
         doc["load_bytes_read_io"] = read_io().get("read_bytes", 0) - io0
         doc["load_info"] = info
@@ -375,7 +373,7 @@ def main() -> int:
             if spec.get("warmup"):
                 run_case(model, runtime, torch, dict(case, new_tokens=min(2, int(case["new_tokens"]))), spec, sampler, None)
             for r in range(int(spec.get("runs", 1))):
-                mode = bench_cold.make_cold(cold_paths, spec.get("allow_drop_caches", True)) if spec.get("cold") else "warm"
+                mode = cold.make_cold(cold_paths, spec.get("allow_drop_caches", True)) if spec.get("cold") else "warm"
                 rec = run_case(model, runtime, torch, case, spec, sampler, mode)
                 rec.update(engine=spec["engine"], budget=spec.get("budget"), run=r, case=case.get("id"))
                 doc["runs"].append(rec)

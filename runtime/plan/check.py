@@ -29,18 +29,9 @@ import json
 import statistics
 import sys
 
+from zipmoe.runtime.serve.states import STATES
+
 __all__ = ["measure_plan", "main"]
-
-STATES = ("full", "compressed", "sm_only", "e_only", "none")
-
-
-def _prompts(arg: str) -> list[str]:
-    if arg == "builtin":
-        from zipmoe_cli.plan import BUILTIN_PROMPTS
-
-        return list(BUILTIN_PROMPTS)
-    with open(arg, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
 
 
 def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers: int | None = None,
@@ -48,36 +39,26 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     """Serve ``prompts`` under ``plan`` (a plan.json dict); measured TPOT, hits, layer makespans."""
     import torch
 
-    import zipmoe
-
+    from zipmoe.machine import torch_threads
+    from zipmoe.runtime.plan.calibrate import encode, load_kwargs
     from zipmoe.runtime.serve.counters import DecodeClock
-
-    from zipmoe.runtime.serve.loader import default_threads
-    from zipmoe.runtime.plan.profile import load_kwargs
+    from zipmoe.runtime.serve.loader import load
 
     workers = workers or plan.get("workers") or 1
     # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the
     # cores with OpenMP threads that spin makes every step many times slower)
-    model, tok = zipmoe.load(path, budget=plan["budget"], device=device, plan=plan, workers=workers,
-                             threads=default_threads(workers), **load_kwargs(plan.get("dtype", "bfloat16")))
+    model, tok = load(path, budget=plan["budget"], device=device, plan=plan, workers=workers,
+                      threads=torch_threads(workers), **load_kwargs(plan.get("dtype", "bfloat16")))
     rt = model.zipmoe
     if not cascade:
         rt.cache.demote = None
     units = max(1, len(next(iter(rt.expert_tensors.values()))))
 
-    def encode(p):
-        if tok is None:
-            return torch.arange(1, 9).unsqueeze(0)
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"]
-        return tok(p, return_tensors="pt")["input_ids"]
-
     def serve(timed: bool):
         gaps = []
         total = None
         for p in prompts:
-            ids = encode(p).to(model.device)
+            ids = encode(tok, p).to(model.device)
             clock = DecodeClock(rt.counters) if timed else None
             with torch.inference_mode():
                 model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
@@ -160,7 +141,9 @@ def _check(a) -> int:
             raise ValueError(f"{a.plan} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(plan, dict) or "budget" not in plan or "pools" not in plan:
         raise ValueError(f"{a.plan} is not a plan.json from `zipmoe plan`")
-    prompts = _prompts(a.prompts)
+    from zipmoe.runtime.plan.calibrate import read_prompts
+
+    prompts = read_prompts(a.prompts)
     plans = [("chosen", plan)]
     alts = plan.get("alternatives", {})
     unknown = [n for n in a.alternative if n not in alts]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from zipmoe.errors import ModelError
 
-__all__ = ["ContainerLayout", "container_layout"]
+__all__ = ["ContainerLayout", "container_layout", "expert_tensors"]
 
 
 @dataclass
@@ -91,35 +91,14 @@ class ContainerLayout:
         return max(0, left - window * self.expert_working)
 
 
-DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
-
-
-def resolve_dtype(dtype: str, config: dict) -> tuple[str, int]:
-    """``(name, itemsize)`` of the dtype the model computes in, as runtime.loader.resolve_dtype."""
-    from zipmoe.errors import UsageError
-
-    d = str(dtype or "auto").lower().replace("torch.", "")
-    if d == "auto":
-        d = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").lower().replace("torch.", "")
-        if d not in DTYPES:
-            d = "bfloat16"
-    if d not in DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r} (use auto, bfloat16 or float32)")
-    return d, DTYPES[d]
-
-
-def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> ContainerLayout:
-    """Read sizes from an open ContainerReader (no tensor data is read).
-
-    ``dtype``: what the runtime computes in (``zipmoe.load(dtype=...)``): float32 experts cost
-    4 bytes per value in the full pool and in flight. ``device``: on CUDA each tensor in flight
-    also has a pinned host staging buffer of its bf16 bytes (runtime.core).
-    """
+def expert_tensors(reader, family=None) -> dict:
+    """The container's expert tensors grouped as the runtime groups them
+    (``{(layer, expert): [ExpertTensor per unit]}``, runtime.serve.tensors), with the shapes the
+    entries themselves give (no model skeleton is built)."""
     from zipmoe.runtime.serve.families import family_for
     from zipmoe.runtime.serve.tensors import build_expert_tensors
 
-    meta_model = reader.meta.get("model") or {}
-    family = family_for(reader.config, reader.meta)
+    family = family or family_for(reader.config, reader.meta)
     # expected shapes from the entries themselves: rows of a unit = sum of its projections' rows
     proj_to_unit = {p: u for u, projs in family.units for p in projs}
     rows: dict[tuple[int, int, str], int] = {}
@@ -136,7 +115,22 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     expected: dict[int, dict[str, tuple[int, int]]] = {}
     for (layer, _ex, unit), r in rows.items():
         expected.setdefault(layer, {})[unit] = (r, cols[(layer, unit)])
-    experts = build_expert_tensors(reader.entries, family, expected)
+    return build_expert_tensors(reader.entries, family, expected)
+
+
+def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> ContainerLayout:
+    """Read sizes from an open ContainerReader (no tensor data is read).
+
+    ``dtype``: what the runtime computes in (``zipmoe.load(dtype=...)``): float32 experts cost
+    4 bytes per value in the full pool and in flight. ``device``: on CUDA each tensor in flight
+    also has a pinned host staging buffer of its bf16 bytes (runtime.core).
+    """
+    from zipmoe.runtime.serve.dtypes import ITEMSIZE, compute_dtype
+    from zipmoe.runtime.serve.families import family_for
+
+    meta_model = reader.meta.get("model") or {}
+    family = family_for(reader.config, reader.meta)
+    experts = expert_tensors(reader, family)
     if not experts:
         raise ModelError(f"{reader.path} has no expert tensors: there is nothing to plan")
     sparse_layers = sorted({l for l, _ in experts})
@@ -154,7 +148,8 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
         units.append((name, ts[0].shape, round(sum(t.full_bytes for t in ts) / n),
                       round(sum(t.e_bytes for t in ts) / n), round(sum(t.sm_bytes for t in ts) / n)))
         chunks.append(max(1, round(sum(len(sg.e_chunks) for t in ts for sg in t.segments) / n)))
-    dtype_name, itemsize = resolve_dtype(dtype, reader.config or {})
+    dtype_name = compute_dtype(dtype, reader.config or {})
+    itemsize = ITEMSIZE[dtype_name]
     cuda = str(device).startswith("cuda")
     # runtime.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
     working = max(sum(t.full_bytes + t.staging_bytes() + (itemsize * t.numel if itemsize != 2 else 0)

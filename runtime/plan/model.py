@@ -31,15 +31,15 @@ from itertools import combinations
 
 import numpy as np
 
-from zipmoe.runtime.plan.simulate import STATES, Costs, makespan_for_counts
+from zipmoe.runtime.plan.simulate import Costs, makespan_for_counts
+from zipmoe.runtime.serve.states import STATES
 
 __all__ = [
     "POOL_ORDER", "solve_cps", "cps_inclusion", "pool_pmf", "compositions", "count_distribution",
     "expected_makespan", "sample_counts", "MakespanTable", "LayerSet", "expected_hits",
 ]
 
-POOL_ORDER = ("full", "compressed", "sm_only", "e_only", "none")  # by rank, hottest first
-assert set(POOL_ORDER) == set(STATES)
+POOL_ORDER = STATES  # by rank, hottest first
 
 
 def _pb_prefix(q: np.ndarray, k: int) -> np.ndarray:

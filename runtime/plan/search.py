@@ -30,10 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipmoe.runtime.plan.model import compositions
+from zipmoe.runtime.serve.states import POOLS
 
 __all__ = ["POOLS", "SearchResult", "search", "single_pool_plans", "plan_bytes"]
-
-POOLS = ("full", "compressed", "sm_only", "e_only")
 
 
 def plan_bytes(slots: dict[str, int], slot_bytes: dict[str, int], layers: int) -> int:

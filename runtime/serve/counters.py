@@ -36,9 +36,10 @@ import copy
 import threading
 import time
 
+from zipmoe.runtime.serve.states import STATES
+
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES"]
 
-STATES = ("full", "compressed", "sm_only", "e_only", "none")
 STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
 
 

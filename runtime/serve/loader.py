@@ -22,7 +22,6 @@ Steps (each a function below):
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 from pathlib import Path
 
@@ -30,13 +29,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from zipmoe.errors import ContainerError, DeviceError, ModelError, UsageError
+from zipmoe.errors import ContainerError, ModelError, UsageError
+from zipmoe.machine import decode_workers
+from zipmoe.machine import resolve_device as machine_device
 from zipmoe.units import parse_size
 
+from zipmoe.runtime.serve import dtypes
 from zipmoe.runtime.serve.experts_hook import IMPLEMENTATION, SwitchExperts, register
 from zipmoe.runtime.serve.families import Family, family_for
 
-__all__ = ["load", "requirements", "resolve_device", "params_on_meta", "default_threads"]
+__all__ = ["load", "requirements", "resolve_device", "params_on_meta"]
 
 _NP = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
        "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
@@ -46,27 +48,8 @@ _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
 
 
 def resolve_device(device) -> torch.device:
-    name = str(device or "auto").lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise DeviceError("--device cuda was asked for, but no CUDA device is available (use --device cpu)")
-        return torch.device(name)
-    if name == "cpu":
-        return torch.device("cpu")
-    raise UsageError(f"unknown device {device!r} (use auto, cpu or cuda)")
-
-
-def default_threads(workers: int) -> int:
-    """Torch threads for the serving process: the cores the decode workers leave, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - workers)
-
-
-def default_workers() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // 2)
+    """:func:`zipmoe.machine.resolve_device` as a ``torch.device``."""
+    return torch.device(machine_device(device))
 
 
 @contextlib.contextmanager
@@ -184,7 +167,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
 
     budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     dev = resolve_device(device)
-    workers = default_workers() if workers is None else int(workers)
+    workers = decode_workers() if workers is None else int(workers)
     if workers < 1:
         raise UsageError("--workers must be at least 1")
     if threads is not None:
@@ -212,24 +195,17 @@ def requirements(path, *, workers: int | None = None, device="cpu", dtype="bfloa
     """
     from zipmoe.codecs.reader import ContainerReader
 
-    workers = default_workers() if workers is None else int(workers)
+    workers = decode_workers() if workers is None else int(workers)
     with ContainerReader(path) as reader:
         return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dtype,
                      dry=True)
 
 
 def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
+    """:func:`zipmoe.runtime.serve.dtypes.compute_dtype` as a torch dtype (a torch dtype passes through)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    d = str(dtype or "auto").lower().replace("torch.", "")
-    if d == "auto":
-        d = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").lower().replace("torch.", "")
-        return names.get(d, torch.bfloat16)
-    if d not in names:
-        raise UsageError(f"unknown dtype {dtype!r} (use auto, bfloat16 or float32)")
-    return names[d]
+    return getattr(torch, dtypes.compute_dtype(dtype, cfg))
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False):

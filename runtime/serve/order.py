@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-STATES = ("full", "compressed", "sm_only", "e_only", "none")
+from zipmoe.runtime.serve.states import STATES
+
 TYPE_I = frozenset({"e_only", "none"})
 TYPE_II = frozenset({"compressed", "sm_only"})
 _READS = frozenset({"none", "e_only", "sm_only"})

@@ -1,0 +1,91 @@
+"""Prompts the planner calibrates with, and the calibration itself: a trace of real routing.
+
+``BUILTIN_PROMPTS`` are what ``zipmoe plan --calibrate builtin`` runs and what
+``python -m zipmoe.runtime.plan.check --prompts builtin`` measures with (a plan is checked with
+the prompts it was made from). :func:`read_prompts` reads ``builtin`` or a file of one prompt per
+line; :func:`encode` is how both turn a prompt into token ids (the chat template where the
+tokenizer has one); :func:`record_trace` serves the prompts with a trace on.
+
+The benchmark harness has its own prompts (``zipmoe.runtime.bench.inputs.DEFAULT_PROMPTS``:
+completions, the same for every engine; docs/benchmarks.md's figures were measured with them).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from zipmoe.errors import UsageError
+
+__all__ = ["BUILTIN_PROMPTS", "read_prompts", "encode", "record_trace"]
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how a binary search works.",
+    "List three uses of a paperclip.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+]
+
+
+def read_prompts(arg: str) -> list[str]:
+    """``builtin``: :data:`BUILTIN_PROMPTS`; else a file of prompts, one per line (blank lines skipped)."""
+    if arg == "builtin":
+        return list(BUILTIN_PROMPTS)
+    p = Path(arg)
+    try:
+        prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as exc:
+        raise UsageError(f"cannot read prompts {p}: {exc.strerror or exc} (one prompt per line, or `builtin`)") from None
+    if not prompts:
+        raise UsageError(f"{p} has no prompts (one per line)")
+    return prompts
+
+
+def encode(tok, prompt: str):
+    """Token ids ``[1, n]`` of ``prompt`` as a user turn (the chat template where there is one);
+    a model without a tokenizer gets the fixed ids 1..8."""
+    import torch
+
+    if tok is None:
+        return torch.arange(1, 9).unsqueeze(0)
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"]
+    return tok(prompt, return_tensors="pt")["input_ids"]
+
+
+def load_kwargs(dtype: str) -> dict:
+    """``load`` keywords for the compute dtype (omitted for the default, bfloat16)."""
+    return {} if dtype in ("bfloat16", "bf16") else {"dtype": dtype}
+
+
+def record_trace(path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
+                 dtype: str = "bfloat16") -> Path:
+    """Serve ``prompts`` greedily through the runtime with a trace on; returns the trace path."""
+    import torch
+
+    from zipmoe.machine import torch_threads
+    from zipmoe.runtime.serve.loader import load
+
+    model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
+                      **load_kwargs(dtype))
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
+    fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
+    os.close(fd)
+    rt = model.zipmoe
+    rt.start_trace(trace)
+    try:
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = encode(tok, prompt).to(model.device)
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    finally:
+        rt.stop_trace()
+    return Path(trace)
