@@ -12,12 +12,10 @@ from zipmoe.runtime.plan.model import (
     POOL_ORDER,
     LayerSet,
     MakespanTable,
+    _boundaries,
+    _pb_prefix,
+    compositions,
     cps_inclusion,
-    count_distribution,
-    expected_hits,
-    expected_makespan,
-    pool_pmf,
-    sample_counts,
     solve_cps,
 )
 from zipmoe.runtime.plan.search import POOLS, search
@@ -27,6 +25,49 @@ from zipmoe.runtime.plan.simulate import Costs
 COSTS = Costs(disk_bw=2e9, disk_latency=80e-6, decomp_bw_per_worker=1.5e9, merge_bw=4e9, compute_s_per_expert=150e-6)
 NUMEL = 1 << 20
 TENSORS = [(2 * 2 * NUMEL, 2 * NUMEL * 17 // 100, 2 * NUMEL), (2 * NUMEL, NUMEL * 17 // 100, NUMEL)]  # gate_up, down
+
+
+# The one-layer form of the model, written out: what LayerSet vectorises (and Monte Carlo draws).
+def pool_pmf(q: np.ndarray, k: int) -> np.ndarray:
+    """Poisson-binomial pmf of the number of ``q`` slots that are on, truncated at ``k``."""
+    return _pb_prefix(np.asarray(q, dtype=np.float64), k)[-1]
+
+
+def count_distribution(q: np.ndarray, k: int, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(C, P)``: every count vector ``C[i]`` (per POOL_ORDER, summing to ``k``) and its probability."""
+    q = np.asarray(q, dtype=np.float64)
+    comps = compositions(k)
+    prob = np.ones(len(comps))
+    for j, (a, b) in enumerate(_boundaries(slots, len(q))):
+        pmf = pool_pmf(q[a:b], k)
+        prob *= pmf[comps[:, j]]
+    z = prob.sum()
+    return comps, prob / z
+
+
+def expected_makespan(q: np.ndarray, k: int, slots: dict[str, int], table: MakespanTable) -> float:
+    """E[layer makespan] under CPS for a plan's slots (per POOL_ORDER)."""
+    _, prob = count_distribution(q, k, slots)
+    return float(prob @ table.values)
+
+
+def expected_hits(q: np.ndarray, k: int, slots: dict[str, int]) -> dict[str, float]:
+    """Expected chosen experts per state, per token (sums to ``k``)."""
+    comps, prob = count_distribution(q, k, slots)
+    return {pool: float(prob @ comps[:, j]) for j, pool in enumerate(POOL_ORDER)}
+
+
+def sample_counts(q: np.ndarray, k: int, slots: dict[str, int], n: int, rng: np.random.Generator) -> np.ndarray:
+    """Monte Carlo: ``n`` CPS draws (rejection: Poisson samples of size != k are redrawn), count vectors."""
+    q = np.asarray(q, dtype=np.float64)
+    bounds = _boundaries(slots, len(q))
+    out = np.zeros((0, len(POOL_ORDER)), dtype=np.int64)
+    while len(out) < n:
+        on = rng.random((max(1024, 4 * (n - len(out))), len(q))) < q
+        on = on[on.sum(axis=1) == k]
+        counts = np.stack([on[:, a:b].sum(axis=1) for a, b in bounds], axis=1)
+        out = np.concatenate([out, counts])
+    return out[:n]
 
 
 def _rank_p(rng, n, skew):

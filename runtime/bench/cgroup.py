@@ -291,16 +291,9 @@ class MemoryCgroup:
         """Environment for the child: it joins the cgroup itself (see :func:`join_from_env`)."""
         return {ENV_CGROUP: str(self.path)}
 
-    def add_pid(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
     def pids(self) -> list[int]:
         text = _read(self.path / "cgroup.procs") or ""
         return [int(p) for p in text.split()]
-
-    def usage(self) -> int | None:
-        text = _read(self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes"))
-        return int(text) if text and text.isdigit() else None
 
     def peak(self) -> int | None:
         """Peak usage, page cache included (v2 needs kernel >= 5.19 for memory.peak)."""

@@ -1,7 +1,7 @@
 """The planner's probability model: how many of a token's top-k experts hit each cache pool.
 
 Model. In one sparse layer the experts, sorted by popularity (rank ``r = 0`` hottest; see
-runtime.planner_stats), are the cache *slots*. A token activates ``k`` distinct slots. We model
+runtime.plan.stats), are the cache *slots*. A token activates ``k`` distinct slots. We model
 the token's choice as **conditional Poisson sampling** (CPS) of size ``k``: slot ``r`` is a
 Bernoulli variable with probability ``q[r]`` (independent), conditioned on exactly ``k`` of them
 being on. The ``q`` are solved for (a fixed point on the log-odds, Chen, Dempster & Liu 1994) so
@@ -10,16 +10,16 @@ that the CPS inclusion probability of every rank is its observed one (the update
 
 Pools. A plan gives each pool ``m_pool`` slots per sparse layer; slots are assigned by rank,
 hottest first, in the order ``full -> compressed -> sm_only -> e_only``, the rest are ``none``
-(misses). This is the order the runtime's cache converges to (runtime.cache offers a used
+(misses). This is the order the runtime's cache converges to (runtime.serve.cache offers a used
 tensor to the pools best-first and evicts the least frequently used).
 
 Counts. With independent Bernoulli slots, the number of hits in one pool is Poisson-binomial;
-its distribution is a dynamic programme over the pool's slots (``pool_pmf``). Conditioning on
+its distribution is a dynamic programme over the pool's slots (``LayerSet._pmfs``). Conditioning on
 ``k`` hits in all, the count vector ``c = (c_full, c_compressed, c_sm_only, c_e_only, c_none)``
 has the exact CPS probability ``prod_pool PB_pool(c_pool) / P(sum = k)``.
 
 Expected makespan. ``E[T] = sum_c P(c) * simulate(layer_tasks(c))`` with
-runtime.schedule_model (the scheduler's own list schedule, memoised per count vector): no
+runtime.plan.simulate (the scheduler's own list schedule, memoised per count vector): no
 closed-form approximation is involved.
 """
 
@@ -34,10 +34,7 @@ import numpy as np
 from zipmoe.runtime.plan.simulate import Costs, makespan_for_counts
 from zipmoe.runtime.serve.states import STATES
 
-__all__ = [
-    "POOL_ORDER", "solve_cps", "cps_inclusion", "pool_pmf", "compositions", "count_distribution",
-    "expected_makespan", "sample_counts", "MakespanTable", "LayerSet", "expected_hits",
-]
+__all__ = ["POOL_ORDER", "solve_cps", "cps_inclusion", "compositions", "MakespanTable", "LayerSet"]
 
 POOL_ORDER = STATES  # by rank, hottest first
 
@@ -106,11 +103,6 @@ def solve_cps(p: Sequence[float], k: int, tol: float = 1e-8, max_iter: int = 500
     return 1 / (1 + np.exp(-logit))
 
 
-def pool_pmf(q: np.ndarray, k: int) -> np.ndarray:
-    """Poisson-binomial pmf of the number of ``q`` slots that are on, truncated at ``k``."""
-    return _pb_prefix(np.asarray(q, dtype=np.float64), k)[-1]
-
-
 @lru_cache(maxsize=64)
 def compositions(k: int, parts: int = len(POOL_ORDER)) -> np.ndarray:
     """All vectors of ``parts`` non-negative ints summing to ``k`` (stars and bars), shape [n, parts]."""
@@ -136,18 +128,6 @@ def _boundaries(slots: dict[str, int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def count_distribution(q: np.ndarray, k: int, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """``(C, P)``: every count vector ``C[i]`` (per POOL_ORDER, summing to ``k``) and its probability."""
-    q = np.asarray(q, dtype=np.float64)
-    comps = compositions(k)
-    prob = np.ones(len(comps))
-    for j, (a, b) in enumerate(_boundaries(slots, len(q))):
-        pmf = pool_pmf(q[a:b], k)
-        prob *= pmf[comps[:, j]]
-    z = prob.sum()
-    return comps, prob / z
-
-
 class MakespanTable:
     """Simulated layer makespan for every count vector, for one tensor layout, L and costs."""
 
@@ -160,36 +140,12 @@ class MakespanTable:
         ])
 
 
-def expected_makespan(q: np.ndarray, k: int, slots: dict[str, int], table: MakespanTable) -> float:
-    """E[layer makespan] under CPS for a plan's slots (per POOL_ORDER)."""
-    _, prob = count_distribution(q, k, slots)
-    return float(prob @ table.values)
-
-
-def expected_hits(q: np.ndarray, k: int, slots: dict[str, int]) -> dict[str, float]:
-    """Expected chosen experts per state, per token (sums to ``k``)."""
-    comps, prob = count_distribution(q, k, slots)
-    return {pool: float(prob @ comps[:, j]) for j, pool in enumerate(POOL_ORDER)}
-
-
-def sample_counts(q: np.ndarray, k: int, slots: dict[str, int], n: int, rng: np.random.Generator) -> np.ndarray:
-    """Monte Carlo: ``n`` CPS draws (rejection: Poisson samples of size != k are redrawn), count vectors."""
-    q = np.asarray(q, dtype=np.float64)
-    bounds = _boundaries(slots, len(q))
-    out = np.zeros((0, len(POOL_ORDER)), dtype=np.int64)
-    while len(out) < n:
-        on = rng.random((max(1024, 4 * (n - len(out))), len(q))) < q
-        on = on[on.sum(axis=1) == k]
-        counts = np.stack([on[:, a:b].sum(axis=1) for a, b in bounds], axis=1)
-        out = np.concatenate([out, counts])
-    return out[:n]
-
-
 class LayerSet:
     """All sparse layers at once: ``Q[l]`` are layer ``l``'s CPS Poisson probabilities by rank.
 
-    :meth:`expected` vectorises :func:`expected_makespan` over the layers (the planner's search
-    evaluates many plans).
+    :meth:`distribution` is the CPS count distribution of every layer at once, vectorised (the
+    planner's search evaluates many plans); tests/test_planner.py checks it against the one-layer
+    form written out and against Monte Carlo draws.
     """
 
     def __init__(self, Q: np.ndarray, k: int, table: MakespanTable) -> None:

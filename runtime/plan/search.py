@@ -32,11 +32,7 @@ from dataclasses import dataclass, field
 from zipmoe.runtime.plan.model import compositions
 from zipmoe.runtime.serve.states import POOLS
 
-__all__ = ["POOLS", "SearchResult", "search", "single_pool_plans", "plan_bytes"]
-
-
-def plan_bytes(slots: dict[str, int], slot_bytes: dict[str, int], layers: int) -> int:
-    return sum(int(slots.get(p, 0)) * int(slot_bytes[p]) for p in POOLS) * layers
+__all__ = ["POOLS", "SearchResult", "search", "single_pool_plans"]
 
 
 @dataclass

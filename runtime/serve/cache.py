@@ -60,7 +60,7 @@ class Pool:
 
 
 class ExpertCache:
-    def __init__(self, capacities: dict, on_change=None, demote=None) -> None:
+    def __init__(self, capacities: dict, demote=None) -> None:
         """``demote(pool_name, data)``: the forms ``{lower_pool: (nbytes, data)}`` a tensor evicted
         from ``pool_name`` keeps (the cascade); None or ``{}`` drops it. Without it, evicted
         tensors are dropped."""
@@ -72,7 +72,6 @@ class ExpertCache:
         self.last: dict[int, int] = {}
         self._clock = itertools.count(1)
         self.pinned: set[int] = set()
-        self._on_change = on_change
 
     # --- queries
     def state_of(self, uid: int) -> str | None:
@@ -173,8 +172,6 @@ class ExpertCache:
             self._compact(pool)
             for victim, vdata in evicted:
                 self._cascade(victim, name, vdata)
-            if self._on_change is not None:
-                self._on_change()
             return name
         return cur
 

@@ -277,9 +277,6 @@ class Runtime:
         self.counters.note_held(self.held_bytes())
         return n
 
-    def reset_cache(self) -> None:
-        self.cache.clear()
-
     def close(self) -> None:
         """Stop the trace, the I/O and decode threads, and close the file (idempotent)."""
         self.stop_trace()

@@ -102,11 +102,6 @@ class Counters:
             self.peak_held_bytes = held
 
     # --- reading
-    def hit_rate(self) -> float:
-        """Fraction of expert-tensor accesses that found the tensor whole (the ``full`` pool)."""
-        total = sum(self.hits.values())
-        return self.hits["full"] / total if total else 0.0
-
     def snapshot(self) -> dict:
         with self._lock:
             return {
