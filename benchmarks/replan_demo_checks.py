@@ -8,17 +8,17 @@ demo` is deterministic, so the local container holds the tensors the runs served
 checks the sizes the planner uses). RESULTS_DIR (default benchmarks/results) holds the folders
 2026-11-30-h200-demo-cpu (the H200 box's CPU, and a first GPU machine) and
 2026-11-30-h200-demo-gpu2 (a second GPU machine, profiles with the compressed pass): each
-run's profiles, plans, calibration trace and `planner_check --json-out` rows; a plan measured
+run's profiles, plans, calibration trace and `plan.check --json-out` rows; a plan measured
 in several runs is compared with its median.
 
 The rules, each fitted to the profile's all-miss serving pass (every chosen expert read):
 
-* ``all-miss``: the profile's rule before the compressed pass (runtime.profile's
+* ``all-miss``: the profile's rule before the compressed pass (runtime.plan.fits'
   ``_serving_overheads_all_miss``): the reads' extra time per read, the rest per fetched tensor;
 * ``reads only``: everything serving adds charged to reads (a per-read latency), nothing per
   fetched tensor;
 * ``split``: the per-tensor overhead fitted where experts are compressed hits, the reads slowed
-  (bandwidth) until the all-miss layer fits: runtime.profile's rule with a compressed pass. The
+  (bandwidth) until the all-miss layer fits: runtime.plan.fits' rule with a compressed pass. The
   second GPU machine's profiles have that pass; the first folder's runs predate it, so there the
   "compressed only" plan's measured layer (1.4-1.8 compressed hits per layer, the rest misses)
   stands in for it, and that plan's row is in-sample.

@@ -5,14 +5,14 @@
 For each model of a GPU planner run (default: benchmarks/results/2026-11-30-h200-planner/machineD,
 qwen1.5-moe-a2.7b at 8G and olmoe-1b-7b at 4G), from the files that run kept: the plan.json
 (its sizes, budget and the profile measured there), the calibration trace and the
-`planner_check --json-out` rows (measured TPOT and hits of the chosen plan and of "full
+`plan.check --json-out` rows (measured TPOT and hits of the chosen plan and of "full
 only"). The container layout is rebuilt from the plan's sizes and the presets' shapes (the
 containers themselves stay on the lent machine), the activation statistics come from the trace
-with the current `planner_stats` rules, and the planner then
+with the current `plan.stats` rules, and the planner then
 
 1. predicts again each plan that was measured (same slots), to compare with the measurement;
 2. plans again at the same budget, to show what it would choose now;
-3. cross-checks what the profile's serving pass adds (``runtime.profile.serving_overheads``,
+3. cross-checks what the profile's serving pass adds (``runtime.plan.fits.serving_overheads``,
    which these runs predate): the per-read and per-tensor overheads are fitted on one measured
    plan's counters and layer time, and the *other* plan is predicted with them.
 
@@ -66,7 +66,7 @@ def layout_of(plan: dict, shapes: dict) -> ContainerLayout:
 
 def fit_serving(layout, stats, prof: dict, plan: dict, row: dict, slots: dict) -> dict:
     """The profile with the serving figures fitted to one measured plan, by the rule of the
-    profile's serving pass (``runtime.profile.serving_overheads``): ``disk_latency`` from its
+    profile's serving pass (``runtime.plan.fits.serving_overheads``): ``disk_latency`` from its
     reads' time beyond latency + bytes / bw, then ``merge_overhead_s``, per fetched tensor
     (bisection), so that the predicted layer makespan is the measured one."""
     reads = row["counters"]["reads_by_state"].values()

@@ -282,7 +282,7 @@ def test_planner_check_bad_input_is_one_line(container, tmp_path, capsys):
         bad.write_text(content)
         assert planner_check.main([str(path), "--plan", str(bad)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("planner_check: error: ") and needle in err[0]
+        assert len(err) == 1 and err[0].startswith("zipmoe.runtime.plan.check: error: ") and needle in err[0]
     assert planner_check.main([str(path), "--plan", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No such file" in err[0]

@@ -3,6 +3,7 @@
 The one place for these rules (the command line sizes its defaults here without importing torch):
 
 * :func:`cores`: the cores this process may run on (its CPU affinity, not the machine's count);
+* :func:`cpu_model`: the CPU's name, as /proc/cpuinfo gives it;
 * :func:`pack_workers`: threads for packing, verifying and unpacking (every core);
 * :func:`decode_workers`: the serving runtime's decode workers (half the cores, at least 1);
 * :func:`torch_threads`: the serving process's torch threads: the cores the decode workers leave;
@@ -13,11 +14,13 @@ The one place for these rules (the command line sizes its defaults here without 
 from __future__ import annotations
 
 import os
+import platform
 import sys
+from pathlib import Path
 
 from .errors import DeviceError, UsageError
 
-__all__ = ["cores", "pack_workers", "decode_workers", "torch_threads", "resolve_device"]
+__all__ = ["cores", "cpu_model", "pack_workers", "decode_workers", "torch_threads", "resolve_device"]
 
 
 def cores() -> int:
@@ -25,6 +28,18 @@ def cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)  # pragma: no cover - not Linux
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's ``model name``, ``Hardware`` or ``cpu model`` line;
+    else what :mod:`platform` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def pack_workers() -> int:

@@ -82,7 +82,7 @@ def missing_extra(name: str) -> str | None:
 
 
 def _load_fn():
-    """runtime.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
+    """runtime.serve.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
     try:
         from zipmoe.runtime.serve import loader
     except ImportError as exc:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zipmoe.errors import BudgetError, UsageError, ZipmoeError
-from zipmoe.machine import resolve_device
+from zipmoe.machine import cpu_model, resolve_device
 from zipmoe.runtime.bench import cgroup, cold, engines, report
 from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, prepare_raw_container, prepare_source,
                                          read_prompts, tokenize)
@@ -102,13 +102,7 @@ def machine_info(device: str) -> dict:
         info["ram_bytes"] = psutil.virtual_memory().total
     except Exception:
         pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    info["cpu"] = cpu_model()
     try:
         import torch
         import transformers

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         msg = str(exc) if isinstance(exc, (ZipmoeError, ValueError)) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, OSError) and exc.filename:
             msg = f"{exc.filename}: {exc.strerror}"
-        print(f"planner_check: error: {msg}", file=sys.stderr)
+        print(f"zipmoe.runtime.plan.check: error: {msg}", file=sys.stderr)
         return 2 if isinstance(exc, (OSError, ValueError, KeyError)) else 1
 
 

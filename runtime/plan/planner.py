@@ -1,9 +1,9 @@
 """Make a plan: statistics + profile + container layout -> pool sizes (plan.json).
 
-``make_plan(path, budget, ...)`` ties together runtime.planner_layout (sizes, budget
-accounting as the runtime does it), runtime.planner_stats (rank popularity), runtime.profile
-(measured costs), runtime.planner_model (CPS count distribution, expected makespan) and
-runtime.planner_search (the partition search). The result is the plan.json document
+``make_plan(path, budget, ...)`` ties together runtime.plan.layout (sizes, budget
+accounting as the runtime does it), runtime.plan.stats (rank popularity), runtime.plan.profile
+(measured costs), runtime.plan.model (CPS count distribution, expected makespan) and
+runtime.plan.search (the partition search). The result is the plan.json document
 (``PLAN_FORMAT``, described in docs/planner.md).
 """
 
@@ -50,7 +50,7 @@ class Planner:
         self.layers = LayerSet(np.stack(rows), k, self.table)
         self.layer_overhead = float(profile.get("costs", {}).get("layer_overhead_s") or 0.0)
         measured = profile.get("costs", {}).get("dense_s_per_token")
-        if measured is not None:  # served through the runtime (runtime.profile.measure_runtime)
+        if measured is not None:  # served through the runtime (runtime.plan.passes.measure_runtime)
             self.dense_s, self.dense_source = float(measured), "measured"
         else:  # dense GEMV work per token at the experts' micro-benchmarked bytes/s
             bps = float(profile.get("compute", {}).get("bytes_per_s") or 0.0)
@@ -118,7 +118,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     for name, (slots, _) in res.singles.items():
         alternatives["no cache" if name == "none" else f"{name} only"] = planner.describe(slots)
     used = sum(chosen["pools"].values())
-    working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.core)
+    working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.serve.core)
     prof_summary = {
         "source": profile_source,
         "path": profile_path,

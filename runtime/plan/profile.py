@@ -65,14 +65,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import random
 import socket
 import time
 from pathlib import Path
 
 from zipmoe.errors import UsageError
-from zipmoe.machine import cores, decode_workers, torch_threads
+from zipmoe.machine import cores, cpu_model, decode_workers, torch_threads
 from zipmoe.runtime.plan.fits import serving_overheads
 from zipmoe.runtime.plan.micro import measure_compute, measure_decomp, measure_disk, measure_merge
 from zipmoe.runtime.plan.passes import measure_runtime
@@ -85,19 +84,9 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 
 
 # ---------------------------------------------------------------------------------- identity
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device: str = "cpu") -> dict:
     """What identifies this machine for a profile: host, CPU, cores, device."""
-    info = {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cores": cores(), "device": device}
+    info = {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cores": cores(), "device": device}
     if device.startswith("cuda"):
         import torch
 
@@ -162,7 +151,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             "merge": merge,
             "compute": compute,
         }
-    # where the runtime merges: on the CPU device the decode workers do it (runtime.scheduler);
+    # where the runtime merges: on the CPU device the decode workers do it (runtime.serve.scheduler);
     # on CUDA the device does, with the Triton kernel
     on_workers = not device.startswith("cuda") or merge["kernel"] != "triton"
     prof["merge"]["where"] = "workers" if on_workers else "device"

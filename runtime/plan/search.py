@@ -1,14 +1,14 @@
 """Search the partitions of the budget among the four cache pools.
 
 A plan is a number of expert *slots* per sparse layer in each pool (``full``, ``compressed``,
-``sm_only``, ``e_only``; runtime.planner_model assigns them to ranks hottest first in that
+``sm_only``, ``e_only``; runtime.plan.model assigns them to ranks hottest first in that
 order). A slot costs, per pool, the bytes of one average expert in that form (``slot_bytes``:
 full = bf16 bytes, compressed = E + SM as stored, sm_only = SM, e_only = E). Every sparse
 layer gets the same slots, so a plan costs ``sum_pool slots * slot_bytes * layers`` bytes.
 
 Objective: the expected time per output token, ``sum_l E[makespan_l]``
-(runtime.planner_model.LayerSet.expected) plus the plan's time outside the sparse layers
-(runtime.planner_plan.Planner.tpot_s: it grows with the share of experts fetched).
+(runtime.plan.model.LayerSet.expected) plus the plan's time outside the sparse layers
+(runtime.plan.planner.Planner.tpot_s: it grows with the share of experts fetched).
 
 Search:
 

@@ -27,7 +27,7 @@ which the idle workers share, and the tensor is decompressed when its last job e
 decompress while its SM bytes were read; the runtime does neither, and the model overcharged
 misses against ``e_only`` hits by about 2x on the GPU: docs/benchmarks.md §7.)
 
-``Costs.merge_on_workers=True`` models the CPU runtime (runtime.scheduler on a CPU device): the
+``Costs.merge_on_workers=True`` models the CPU runtime (runtime.serve.scheduler on a CPU device): the
 worker that decompresses a tensor merges it in the same job (decompress+merge is one worker op,
 at ``decomp_s + merge_s``), which starts once E *and* SM are in memory (so an ``e_only`` job
 waits for its SM read), and the device only computes. An expert (all tensors sharing a
@@ -49,7 +49,7 @@ Public API (exact signatures)::
     layer_tasks(counts: Mapping[str, int], tensors: Sequence[tuple[int, ...]]) -> list[Task]
     makespan_for_counts(counts, tensors, L, costs, window=None) -> float  (memoised simulate of layer_tasks)
 
-What the numbers count (normative; runtime.profile measures exactly these):
+What the numbers count (normative; runtime.plan.micro and runtime.plan.passes measure exactly these):
 
 - ``Task.nbytes``: the tensor's decoded size in bf16 bytes (2 × numel).
   ``Task.e_bytes``: its stored (compressed) E chunks, bytes. ``Task.sm_bytes``: its stored SM
@@ -142,7 +142,7 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     """Run the greedy list schedule of :func:`order` as a discrete-event simulation.
 
     ``window``: at most this many experts that need loading are in flight at once (issued, not
-    yet computed), as runtime.core bounds its working buffers; experts are issued in priority
+    yet computed), as runtime.serve.core bounds its working buffers; experts are issued in priority
     order and the next one enters when one computes. None: no limit.
     """
     tasks = list(tasks)
@@ -324,6 +324,10 @@ def lower_bound(tasks: Sequence[Task], L: int, costs: Costs) -> float:
     - the longest single chain: per expert, max over its tensors of read/decompress/merge (the
       e_only read overlaps its decompression), or its earliest merge-ready time + all its merges
       (serial on the device), then its compute.
+
+    The planner does not use it: it is the yardstick of the guarantee docs/planner.md states
+    (``simulate <= (3 - 1/L) * lower_bound``, checked by tests/test_schedule_model.py), kept
+    for whoever weighs a schedule against the best one possible.
     """
     tasks = list(tasks)
     if L < 1:

@@ -1,6 +1,6 @@
 """Activation statistics for the planner: expert popularity by rank, per sparse layer.
 
-Input: activation traces (runtime.trace, JSON lines: a header ``{"container_id",
+Input: activation traces (runtime.serve.trace, JSON lines: a header ``{"container_id",
 "num_layers", "num_experts", "top_k", ...}``, then one line per forward step ``{"layers":
 {"<layer>": [[expert ids of token 0], ...]}}``).
 
