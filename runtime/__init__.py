@@ -1,1 +1,2 @@
-"""zipmoe.runtime: expert store, cache pools, planner, scheduler, transformers integration."""
+"""zipmoe.runtime: the serving runtime (``serve``), the planner (``plan``), the benchmark harness
+(``bench``) and synthetic checkpoints (``synth``); imports point bench -> plan -> serve."""

@@ -335,10 +335,9 @@ def main() -> int:
             torch.set_num_threads(int(threads))
         device = spec["device"]
         if device == "cuda":
-            if not torch.cuda.is_available():
-                from zipmoe.errors import DeviceError
+            from zipmoe.machine import resolve_device
 
-                raise DeviceError("--device cuda but torch sees no CUDA device")
+            resolve_device(device)  # DeviceError when this process sees no CUDA device
             doc["gpu"] = torch.cuda.get_device_name(0)
             doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         from zipmoe.runtime.bench import cold, engines

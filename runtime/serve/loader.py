@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from zipmoe.errors import ContainerError, ModelError, UsageError
-from zipmoe.machine import decode_workers
-from zipmoe.machine import resolve_device as machine_device
+from zipmoe import machine
 from zipmoe.units import parse_size
 
 from zipmoe.runtime.serve import dtypes
@@ -49,7 +48,7 @@ _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
 
 def resolve_device(device) -> torch.device:
     """:func:`zipmoe.machine.resolve_device` as a ``torch.device``."""
-    return torch.device(machine_device(device))
+    return torch.device(machine.resolve_device(device))
 
 
 @contextlib.contextmanager
@@ -167,7 +166,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
 
     budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     dev = resolve_device(device)
-    workers = decode_workers() if workers is None else int(workers)
+    workers = machine.decode_workers() if workers is None else int(workers)
     if workers < 1:
         raise UsageError("--workers must be at least 1")
     if threads is not None:
@@ -195,7 +194,7 @@ def requirements(path, *, workers: int | None = None, device="cpu", dtype="bfloa
     """
     from zipmoe.codecs.reader import ContainerReader
 
-    workers = decode_workers() if workers is None else int(workers)
+    workers = machine.decode_workers() if workers is None else int(workers)
     with ContainerReader(path) as reader:
         return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dtype,
                      dry=True)
