@@ -30,6 +30,7 @@ import numpy as np
 from zipmoe.errors import ContainerError, OutOfSpaceError, UsageError, ZipmoeError
 
 from . import format as fmt
+from .reader import ContainerReader
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
@@ -174,7 +175,6 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
            progress: Callable[[int, int], None] | None = None) -> UnpackSummary:
     """Restore a model folder from a .zmoe (see the module docstring)."""
-    from .reader import ContainerReader
     from .writer import default_workers
 
     t0 = time.perf_counter()

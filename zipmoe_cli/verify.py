@@ -19,7 +19,7 @@ def verify(
     """Check a container; exit 0 only when every byte is right."""
     from rich.console import Console
 
-    from zipmoe.codecs.reader import verify_container
+    from zipmoe.codecs.verify import verify_container
     from zipmoe.units import format_size
 
     from .pack import progress_bar
