@@ -11,7 +11,9 @@ built only when something asks for ``entry.chunks``: an index of DeepSeek-V3's s
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -197,18 +199,13 @@ class TensorEntry:
     def chunks_of(self, kind: str) -> list:
         return [c for c in self.chunks if c.kind == kind]
 
-    def to_json(self, chunk_range: tuple | None = None) -> dict:
-        """The index object; with ``chunk_range`` (1.1) the chunks are referred to, not inlined."""
-        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+    def to_json(self) -> dict:
+        """The 1.0 index object (chunks inline)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
              "nbytes": self.nbytes, "role": self.role, "layer": self.layer,
              "expert": self.expert, "proj": self.proj, "fused_index": self.fused_index,
              "source_shape": list(self.source_shape), "source_index": self.source_index,
-             "extent": [self.extent[0], self.extent[1]]}
-        if chunk_range is None:
-            d["chunks"] = [c.to_json() for c in self.chunks]
-        else:
-            d["chunk_range"] = [chunk_range[0], chunk_range[1]]
-        return d
+             "extent": [self.extent[0], self.extent[1]], "chunks": [c.to_json() for c in self.chunks]}
 
     def __repr__(self) -> str:
         return (f"TensorEntry({self.name!r}, {self.dtype}, {list(self.shape)}, {self.role}, layer={self.layer}, "
@@ -261,11 +258,16 @@ def index_to_bytes(index: Index, chunk_table: dict | None = None) -> bytes:
     if chunk_table is None:
         version, tensors, extra = "1.0", [e.to_json() for e in index.entries], {}
     else:
-        version, tensors, pos = FORMAT_VERSION, [], 0
-        for e in index.entries:
-            n = len(e.chunks)
-            tensors.append(e.to_json((pos, n)))
-            pos += n
+        es = index.entries
+        version = FORMAT_VERSION
+        tensors = {"name": [e.name for e in es], "dtype": [e.dtype for e in es],
+                   "shape": [list(e.shape) for e in es], "nbytes": [e.nbytes for e in es],
+                   "role": [e.role for e in es], "layer": [e.layer for e in es], "expert": [e.expert for e in es],
+                   "proj": [e.proj for e in es], "fused_index": [e.fused_index for e in es],
+                   "source_shape": [list(e.source_shape) for e in es], "source_index": [e.source_index for e in es],
+                   "extent_offset": [e.extent[0] for e in es], "extent_length": [e.extent[1] for e in es],
+                   "chunk_count": [len(e.chunks) for e in es]}
+        pos = sum(tensors["chunk_count"])
         if pos != chunk_table["count"]:
             raise ValueError(f"chunk table has {chunk_table['count']} records, the entries {pos}")
         extra = {"chunk_table": {"offset": chunk_table["offset"], "count": pos, "record_size": CHUNK_RECORD.itemsize,
@@ -409,8 +411,8 @@ def _inline_chunks(entries: list, docs: list) -> tuple:
     return ChunkTable(rec, KNOWN_CODECS), counts
 
 
-def _table_chunks(entries: list, docs: list, tdoc, data_end: int, read) -> tuple:
-    """1.1: each tensor's ``chunk_range`` into the binary chunk table -> (table, counts)."""
+def _table_chunks(counts: list, tdoc, data_end: int, read) -> ChunkTable:
+    """1.1: the binary chunk table; tensor ``i`` has the next ``counts[i]`` records."""
     if type(tdoc) is not dict:
         raise _Bad("chunk_table is missing")
     off, count = _int(tdoc, "offset"), _int(tdoc, "count")
@@ -426,24 +428,93 @@ def _table_chunks(entries: list, docs: list, tdoc, data_end: int, read) -> tuple
     nbytes = count * CHUNK_RECORD.itemsize
     if off % ALIGNMENT or off < DATA_START or off + nbytes > data_end:
         raise _Bad(f"chunk table at {off} ({count} records) is unaligned or outside the data region")
-    counts, pos = [], 0
-    for e, d in zip(entries, docs):
-        cr = d.get("chunk_range")
-        if not (type(cr) is list and len(cr) == 2 and all(type(x) is int for x in cr)) or cr[0] != pos or cr[1] < 0:
-            raise _Bad(f"tensor {e.name}: chunk_range must be [first, count] following the previous tensor's")
-        counts.append(cr[1])
-        pos += cr[1]
+    pos = sum(counts)
     if pos != count:
-        raise _Bad(f"the tensors' chunk ranges cover {pos} records, the chunk table has {count}")
+        raise _Bad(f"the tensors' chunk counts add up to {pos} records, the chunk table has {count}")
     raw = read(off, nbytes) if nbytes else b""
     if checksum(raw) != check:
         raise _Corrupt("chunk table checksum mismatch")
     if nbytes and np.frombuffer(raw, np.uint8).reshape(-1, CHUNK_RECORD.itemsize)[:, 42:].any():
         raise _Bad("chunk table has non-zero reserved bytes")
-    return ChunkTable(np.frombuffer(raw, CHUNK_RECORD), codecs), counts
+    return ChunkTable(np.frombuffer(raw, CHUNK_RECORD), codecs)
 
 
-def _check_chunks(entries: list, counts: list, table: ChunkTable, data_end: int) -> None:
+_COLUMNS = ("name", "dtype", "shape", "nbytes", "role", "layer", "expert", "proj", "fused_index", "source_shape",
+            "source_index", "extent_offset", "extent_length", "chunk_count")
+_NONE = type(None)
+
+
+def _columns(tdoc) -> tuple:
+    """1.1: the tensor columns -> (entries without chunks, chunk counts), every field checked
+    column by column (no Python work per field per entry beyond building the entry)."""
+    if type(tdoc) is not dict:
+        raise _Bad("tensors must be an object of columns")
+    cols = {}
+    for k in _COLUMNS:
+        v = tdoc.get(k)
+        if type(v) is not list:
+            raise _Bad(f"tensor column {k!r} is missing")
+        cols[k] = v
+    n = len(cols["name"])
+    for k, v in cols.items():
+        if len(v) != n:
+            raise _Bad(f"tensor column {k!r} has {len(v)} values, 'name' has {n}")
+
+    def first_bad(col: str, ok) -> None:
+        i = next(i for i, x in enumerate(cols[col]) if not ok(x))
+        raise _Bad(f"tensor {cols['name'][i] if col != 'name' else i}: field {col!r} is {cols[col][i]!r}")
+
+    def ints(col: str, nullable: bool = False) -> None:
+        types = set(map(type, cols[col]))
+        allowed = {int, _NONE} if nullable else {int}
+        vals = [x for x in cols[col] if x is not None] if nullable else cols[col]
+        if not types <= allowed or (vals and (min(vals) < 0 or max(vals) >= _BIG)):
+            first_bad(col, lambda x: (x is None and nullable) or (type(x) is int and 0 <= x < _BIG))
+
+    if not set(map(type, cols["name"])) <= {str}:
+        first_bad("name", lambda x: type(x) is str)
+    names = cols["name"]
+    for k in ("nbytes", "source_index", "extent_offset", "extent_length", "chunk_count"):
+        ints(k)
+    for k in ("layer", "expert", "fused_index"):
+        ints(k, True)
+    if not set(cols["dtype"]) <= set(DTYPE_SIZES) or not set(map(type, cols["dtype"])) <= {str}:
+        first_bad("dtype", lambda x: type(x) is str and x in DTYPE_SIZES)
+    if not set(map(type, cols["role"])) <= {str} or not set(cols["role"]) <= {"expert", "dense"}:
+        first_bad("role", lambda x: x in ("expert", "dense"))
+    if not set(map(type, cols["proj"])) <= {str, _NONE}:
+        first_bad("proj", lambda x: x is None or type(x) is str)
+    for k in ("shape", "source_shape"):
+        col = cols[k]
+        ok = set(map(type, col)) <= {list}
+        if ok:
+            flat = list(itertools.chain.from_iterable(col))
+            ok = set(map(type, flat)) <= {int} and (not flat or (min(flat) >= 0 and max(flat) < _BIG))
+        if not ok:
+            first_bad(k, lambda x: type(x) is list and all(type(d) is int and 0 <= d < _BIG for d in x))
+    shapes = list(map(tuple, cols["shape"]))
+    want = [math.prod(sh) * DTYPE_SIZES[dt] for sh, dt in zip(shapes, cols["dtype"])]
+    if want != cols["nbytes"]:
+        i = next(i for i, (a, b) in enumerate(zip(want, cols["nbytes"])) if a != b)
+        raise _Bad(f"tensor {names[i]}: nbytes {cols['nbytes'][i]} does not match shape {list(shapes[i])} "
+                   f"and dtype {cols['dtype'][i]}")
+    entries = [TensorEntry(*row) for row in zip(
+        names, cols["dtype"], shapes, cols["role"], cols["layer"], cols["expert"], cols["proj"], cols["fused_index"],
+        map(tuple, cols["source_shape"]), zip(cols["extent_offset"], cols["extent_length"]), itertools.repeat(None),
+        cols["nbytes"], cols["source_index"])]
+    return entries, cols["chunk_count"]
+
+
+def _entry_arrays(entries: list) -> dict:
+    """Extent offsets and lengths, nbytes and is-BF16 of every entry, as arrays."""
+    return {"ext_off": np.array([e.extent[0] for e in entries], np.int64),
+            "ext_len": np.array([e.extent[1] for e in entries], np.int64),
+            "nbytes": np.array([e.nbytes for e in entries], np.int64),
+            "bf16": np.array([e.dtype == "BF16" for e in entries], bool),
+            "expert": np.array([e.role == "expert" for e in entries], bool)}
+
+
+def _check_chunks(entries: list, counts: list, table: ChunkTable, data_end: int, arrays: dict) -> None:
     """Section 6 for every chunk at once: inside the data region, bounded sizes, contiguous and
     filling each extent, the right kinds, raw ranges tiling each stream."""
     rec = table.records
@@ -459,10 +530,7 @@ def _check_chunks(entries: list, counts: list, table: ChunkTable, data_end: int)
             m = msg(i) if callable(msg) else msg
             raise _Bad(f"tensor {entries[int(ent[i])].name}: {m}")
 
-    ext_off = np.array([e.extent[0] for e in entries], np.int64)
-    ext_len = np.array([e.extent[1] for e in entries], np.int64)
-    nb = np.array([e.nbytes for e in entries], np.int64)
-    bf16 = np.array([e.dtype == "BF16" for e in entries], bool)
+    ext_off, ext_len, nb, bf16 = arrays["ext_off"], arrays["ext_len"], arrays["nbytes"], arrays["bf16"]
     # entries: counts against nbytes
     bad_e = (nb == 0) & has & bf16 | (nb > 0) & ~has | (nb > 0) & bf16 & (cnt < 2) | ~has & (ext_len != 0)
     if bad_e.any():
@@ -520,28 +588,44 @@ def _check_chunks(entries: list, counts: list, table: ChunkTable, data_end: int)
          lambda i: f"{KINDS[int(kind[i])]} chunks cover {int(roff[i] + rln[i])} bytes, expected {int(total[i])}")
 
 
-def _check_layout(entries: list, files: list, table_extent, data_end: int, minor: int) -> None:
+def _check_layout(entries: list, files: list, table_extent, data_end: int, minor: int, arrays: dict) -> None:
     """Extents inside the data region, aligned where section 6 says, and nothing overlapping."""
-    for e in entries:
-        off, length = e.extent
-        if off < DATA_START or off + length > data_end:
-            raise _Bad(f"tensor {e.name}: extent [{off}, {length}] lies outside the data region")
-        if off % ALIGNMENT and (minor == 0 or e.role == "expert"):
-            raise _Bad(f"tensor {e.name}: extent [{off}, {length}] is not aligned to {ALIGNMENT}")
-    regions = [(e.extent[0], e.extent[1], f"tensor {e.name}") for e in entries if e.extent[1]]
-    regions += [(f.offset, f.length, f"embedded file {f.name}") for f in files if f.length]
+    if entries:
+        off, ln = arrays["ext_off"], arrays["ext_len"]
+        bad = (off < DATA_START) | (off + ln > data_end)
+        if bad.any():
+            e = entries[int(np.argmax(bad))]
+            raise _Bad(f"tensor {e.name}: extent [{e.extent[0]}, {e.extent[1]}] lies outside the data region")
+        must = np.ones(len(entries), bool) if minor == 0 else arrays["expert"]
+        bad = must & (off % ALIGNMENT != 0)
+        if bad.any():
+            e = entries[int(np.argmax(bad))]
+            raise _Bad(f"tensor {e.name}: extent [{e.extent[0]}, {e.extent[1]}] is not aligned to {ALIGNMENT}")
+    others = [(f.offset, f.length, f"embedded file {f.name}") for f in files if f.length]
     if table_extent and table_extent[1]:
-        regions.append((table_extent[0], table_extent[1], "the chunk table"))
-    if len(regions) < 2:
+        others.append((table_extent[0], table_extent[1], "the chunk table"))
+    if entries:
+        keep = np.flatnonzero(arrays["ext_len"] > 0)
+        starts = np.concatenate([arrays["ext_off"][keep], np.array([r[0] for r in others], np.int64)])
+        ends = starts + np.concatenate([arrays["ext_len"][keep], np.array([r[1] for r in others], np.int64)])
+    else:
+        keep = np.zeros(0, np.int64)
+        starts = np.array([r[0] for r in others], np.int64)
+        ends = starts + np.array([r[1] for r in others], np.int64)
+    if starts.shape[0] < 2:
         return
-    starts = np.array([r[0] for r in regions], np.int64)
-    ends = starts + np.array([r[1] for r in regions], np.int64)
     order = np.argsort(starts, kind="stable")
     bad = starts[order][1:] < ends[order][:-1]
     if bad.any():
         i = int(np.argmax(bad))
-        a, b = regions[int(order[i])], regions[int(order[i + 1])]
-        raise _Bad(f"{b[2]} at {b[0]} overlaps {a[2]}")
+
+        def what(k: int) -> str:
+            k = int(order[k])
+            if k < keep.shape[0]:
+                return f"tensor {entries[int(keep[k])].name}"
+            return others[k - keep.shape[0]][2]
+
+        raise _Bad(f"{what(i + 1)} at {int(starts[order[i + 1]])} overlaps {what(i)}")
 
 
 def index_from_bytes(raw: bytes, data_end: int, where: str = "file", minor: int = VERSION_MINOR,
@@ -566,20 +650,21 @@ def index_from_bytes(raw: bytes, data_end: int, where: str = "file", minor: int 
         if not _depth_ok(meta, MAX_DEPTH - 1):
             raise _Bad(f"meta is nested deeper than {MAX_DEPTH} levels")
         tensors = doc.get("tensors")
-        if not isinstance(tensors, list):
+        if minor == 0 and not isinstance(tensors, list):
             raise _Bad("tensors is missing")
-        parsed = [_entry(t) for t in tensors]
-        entries = [p[0] for p in parsed]
-        docs = [p[1] for p in parsed]
         table_extent = None
         if minor == 0:
-            table, counts = _inline_chunks(entries, docs)
+            parsed = [_entry(t) for t in tensors]
+            entries = [p[0] for p in parsed]
+            table, counts = _inline_chunks(entries, [p[1] for p in parsed])
         else:
             if read is None:
                 raise _Bad("no way to read the chunk table")
-            table, counts = _table_chunks(entries, docs, doc.get("chunk_table"), data_end, read)
+            entries, counts = _columns(tensors)
+            table = _table_chunks(counts, doc.get("chunk_table"), data_end, read)
             table_extent = (doc["chunk_table"]["offset"], table.records.shape[0] * CHUNK_RECORD.itemsize)
-        _check_chunks(entries, counts, table, data_end)
+        arrays = _entry_arrays(entries)
+        _check_chunks(entries, counts, table, data_end, arrays)
         pos = 0
         for e, c in zip(entries, counts):
             e._table, e._first, e._count = table, pos, c
@@ -617,7 +702,7 @@ def index_from_bytes(raw: bytes, data_end: int, where: str = "file", minor: int 
             files.append(fe)
         if len({f.name for f in files}) != len(files):
             raise _Bad("an embedded file name appears twice")
-        _check_layout(entries, files, table_extent, data_end, minor)
+        _check_layout(entries, files, table_extent, data_end, minor, arrays)
         return Index(meta, entries, files, table_extent)
     except UnknownCodecError as exc:
         raise UnknownCodecError(f"{where}: {exc}") from None

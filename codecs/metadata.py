@@ -82,26 +82,30 @@ def check_metadata(entries: list, config: dict | None, meta: dict | None, where:
                 bad(f"fused tensor {name}: the index does not hold experts 0..{d.fused - 1} exactly once")
         elif len(es) != 1:
             bad(f"tensor {name} appears {len(es)} times in the index")
+        fused = d.fused is not None
         for e in es:
-            label = name if e.fused_index is None or d.fused is None else f"{name} (expert {e.fused_index})"
-            if tuple(e.source_shape) != src:
-                bad(f"tensor {label}: source_shape {list(e.source_shape)} differs from {list(src)} of its other entries")
-            want_shape = src[1:] if d.fused is not None else src
-            want_expert = e.fused_index if d.fused is not None else d.expert
-            want_fused = e.fused_index if d.fused is not None else None
-            for field, have, want in (("role", e.role, d.role), ("layer", e.layer, d.layer),
-                                      ("expert", e.expert, want_expert), ("proj", e.proj, d.proj),
-                                      ("fused_index", e.fused_index, want_fused),
-                                      ("shape", list(e.shape), list(want_shape))):
-                if have != want:
-                    bad(f"tensor {label}: index says {field} {_fmt(have)}, its name and shape say {_fmt(want)}")
+            want_expert = e.fused_index if fused else d.expert
+            want_fused = e.fused_index if fused else None
+            want_shape = src[1:] if fused else src
+            if ((e.role, e.layer, e.expert, e.proj, e.fused_index, tuple(e.shape), tuple(e.source_shape))
+                    != (d.role, d.layer, want_expert, d.proj, want_fused, want_shape, src)):
+                label = f"{name} (expert {e.fused_index})" if fused and e.fused_index is not None else name
+                if tuple(e.source_shape) != src:
+                    bad(f"tensor {label}: source_shape {list(e.source_shape)} differs from {list(src)} of its other entries")
+                for field, have, want in (("role", e.role, d.role), ("layer", e.layer, d.layer),
+                                          ("expert", e.expert, want_expert), ("proj", e.proj, d.proj),
+                                          ("fused_index", e.fused_index, want_fused),
+                                          ("shape", list(e.shape), list(want_shape))):
+                    if have != want:
+                        bad(f"tensor {label}: index says {field} {_fmt(have)}, its name and shape say {_fmt(want)}")
             if d.role == "expert":
-                slot = _slot(name, d.proj, d.fused is not None)
+                slot = _slot(name, d.proj, fused)
                 key = (e.layer, e.expert) + slot
                 if key in slots:
+                    label = f"{name} (expert {e.fused_index})" if fused else name
                     bad(f"tensors {slots[key]} and {label} are both layer {e.layer} expert {e.expert} "
                         f"{slot[0]}{' ' + slot[1] if slot[1] else ''}")
-                slots[key] = label
+                slots[key] = f"{name} (expert {e.fused_index})" if fused else name
                 layers.setdefault(e.layer, {}).setdefault(e.expert, set()).add(slot)
     if not layers:
         return

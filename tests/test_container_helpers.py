@@ -91,8 +91,8 @@ def write_dense(out: Path, seed: int = 2) -> dict:
 
 
 def read_index(data: bytes) -> dict:
-    """The index of a container (bytes) as a JSON document with every tensor's chunks inline
-    (a 1.1 file's chunk table expanded), so that a test can edit it."""
+    """The index of a container (bytes) as a 1.0-style JSON document, one object per tensor with
+    its chunks inline (a 1.1 file's tensor columns and chunk table expanded), to edit in tests."""
     import struct
 
     from zipmoe.codecs import format as fmt
@@ -103,12 +103,17 @@ def read_index(data: bytes) -> dict:
     if minor >= 1:
         t = doc.pop("chunk_table")
         rec = np.frombuffer(data[t["offset"]:t["offset"] + t["count"] * fmt.CHUNK_RECORD.itemsize], fmt.CHUNK_RECORD)
+        cols = doc["tensors"]
+        doc["tensors"] = [dict(zip(cols, row)) for row in zip(*cols.values())]
+        a = 0
         for e in doc["tensors"]:
-            a, n = e.pop("chunk_range")
+            n = e.pop("chunk_count")
+            e["extent"] = [e.pop("extent_offset"), e.pop("extent_length")]
+            a += n
             e["chunks"] = [{"kind": fmt.KINDS[int(r["kind"])], "offset": int(r["offset"]), "length": int(r["length"]),
                             "raw_offset": int(r["raw_offset"]), "raw_length": int(r["raw_length"]),
                             "codec": t["codecs"][int(r["codec"])], "checksum": format(int(r["checksum"]), "016x")}
-                           for r in rec[a:a + n]]
+                           for r in rec[a - n:a]]
     return doc
 
 
@@ -146,11 +151,11 @@ def rewrite_index(data: bytes, edit=None, *, major: int = 1, minor: int | None =
             rec[i] = (c["offset"], c["length"], c["raw_offset"], c["raw_length"], int(c["checksum"], 16),
                       fmt.KINDS.index(c["kind"]), codecs.index(c["codec"]), b"")
         table = rec.tobytes()
-        pos = 0
-        for e in doc["tensors"]:
-            n = len(e.pop("chunks"))
-            e["chunk_range"] = [pos, n]
-            pos += n
+        rows = doc["tensors"]
+        for e in rows:
+            e["chunk_count"] = len(e.pop("chunks"))
+            e["extent_offset"], e["extent_length"] = e.pop("extent")
+        doc["tensors"] = {k: [e.get(k) for e in rows] for k in (rows[0] if rows else {})}
         doc["chunk_table"] = {"offset": body_end, "count": len(chunks), "record_size": fmt.CHUNK_RECORD.itemsize,
                               "codecs": codecs, "checksum": format(checksum(table), "016x")}
         table += bytes(fmt.align_up(len(table)) - len(table))
