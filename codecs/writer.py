@@ -511,7 +511,7 @@ def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.D
         layout = "fused" if fused else ("split" if n_expert_entries else "dense")
         meta = {
             "model": model_meta(ckpt, items, num_experts),
-            "source": {"name": Path(checkpoint_path).resolve().name, "num_tensors": len(ckpt.tensors),
+            "source": {"name": ckpt.source_name, "num_tensors": len(ckpt.tensors),
                        "total_bytes": ckpt.total_bytes, "files": [Path(f).name for f in ckpt.files],
                        "layout": layout},
         }

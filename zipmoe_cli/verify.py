@@ -13,7 +13,7 @@ from .app import app
 @app.command(name="verify")
 def verify(
     file: Path = typer.Argument(..., help="The .zmoe file."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit: a folder, a .safetensors file or a hub repo id ORG/NAME[@REVISION]."),
     workers: int = typer.Option(0, "--workers", help="Decode threads (default: one per core)."),
 ) -> None:
     """Check a container; exit 0 only when every byte is right."""
