@@ -488,8 +488,11 @@ def model_meta(ckpt, items: list[_Item], num_experts_fn) -> dict:
 
 def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.DEFAULT_SHARD_SIZE,
          workers: int | None = None, force: bool = False,
-         progress: Callable[[int, int], None] | None = None) -> PackSummary:
-    """Pack a checkpoint folder (or .safetensors file) into ``out_path`` (.zmoe).
+         progress: Callable[[int, int], None] | None = None, version: str = fmt.FORMAT_VERSION) -> PackSummary:
+    """Pack a checkpoint folder (or .safetensors file, or hub repo id) into ``out_path`` (.zmoe).
+
+    ``version="1.0"`` writes the older layout (for readers that have not been updated, and for
+    the size comparisons of benchmarks/container_size.py).
 
     ``progress(done_bytes, total_bytes)`` is called after each tensor is queued. Raises
     :class:`~zipmoe.errors.ZipmoeError` subclasses for everything a user can cause.
@@ -515,7 +518,7 @@ def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.D
                        "total_bytes": ckpt.total_bytes, "files": [Path(f).name for f in ckpt.files],
                        "layout": layout},
         }
-        with ContainerWriter(out_path, codec, shard_size, workers, force) as w:
+        with ContainerWriter(out_path, codec, shard_size, workers, force, version=version) as w:
             done = 0
             for it in items:
                 data = ckpt.read(it.st, it.start, it.length)
