@@ -72,14 +72,14 @@ def build(path: Path, version: str, layers: int, experts: int, shard: int = 1 <<
         items.append((d.role != "dense", d.layer or 0, d.expert or 0, _PROJ_ORDER.get(d.proj, 9), i, name, shape, d))
     items.sort(key=lambda t: t[:5] if t[0] else (0, t[4]))
     packed = version != "1.0"
-    pos, entries, prev_small = fmt.DATA_START, [], False
+    pos, entries, prev_dense = fmt.DATA_START, [], False
     for _, _, _, _, i, name, shape, d in items:
         n = int(np.prod(shape))
         nbytes = 2 * n
-        small = packed and d.role == "dense" and nbytes < fmt.SMALL_TENSOR_BYTES
-        if not (small and prev_small):
+        dense = packed and d.role == "dense"
+        if not (dense and prev_dense):
             pos = fmt.align_up(pos)
-        prev_small = small
+        prev_dense = dense
         start, chunks = pos, []
         for a in range(0, n, shard):
             raw = min(shard, n - a)

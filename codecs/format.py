@@ -31,8 +31,6 @@ HEADER_SIZE = 64
 ALIGNMENT = 4096
 DATA_START = 4096
 DEFAULT_SHARD_SIZE = 1 << 20
-#: Dense entries with fewer bytes are packed back to back (1.1, docs/format.md section 6).
-SMALL_TENSOR_BYTES = 1 << 20
 #: Limits checked before anything is allocated from a number in the file (section 4.1).
 MAX_INDEX_BYTES = 1 << 30
 MAX_FILE_BYTES = 1 << 30

@@ -6,7 +6,7 @@ compression, checksum) to a thread pool, and writes finished tensors in the orde
 added. At most ``max_pending_bytes`` of source data are in flight (or one tensor, if larger),
 so memory is bounded by the largest tensor, not by the checkpoint.
 
-Dense entries under ``format.SMALL_TENSOR_BYTES`` are packed back to back and embedded files
+Dense entries are packed back to back and embedded files
 follow each other without padding; the chunks of every entry go to the binary chunk table
 before the index (format 1.1, docs/format.md 5.5 and 6). ``version="1.0"`` writes the older
 layout (every extent and file aligned, chunks inline in the JSON) that 1.0 readers read.
@@ -100,8 +100,8 @@ class ContainerWriter:
         if version not in ("1.0", fmt.FORMAT_VERSION):
             raise UsageError(f"format version must be 1.0 or {fmt.FORMAT_VERSION}, got {version}")
         self.version = version
-        self._packed = version != "1.0"  # 1.1: small dense extents and files back to back
-        self._prev_small = False
+        self._packed = version != "1.0"  # 1.1: dense extents and files back to back
+        self._prev_dense = False
         self.codec = get_codec(codec)
         if shard_size < 1 or shard_size >= 1 << 31:
             raise UsageError(f"shard size must be between 1 byte and 2 GiB, got {shard_size}")
@@ -222,10 +222,10 @@ class ContainerWriter:
         self._pending_bytes -= pend.source_nbytes
         shards: list[_Shard] = [f.result() for f in pend.futures]
         e = pend.entry
-        small = self._packed and e.role == "dense" and e.nbytes < fmt.SMALL_TENSOR_BYTES
-        if not (small and self._prev_small):
+        packed = self._packed and e.role == "dense"
+        if not (packed and self._prev_dense):
             self._pad()
-        self._prev_small = small
+        self._prev_dense = packed
         start = self._pos
         for s in shards:
             e.chunks.append(fmt.Chunk("exp" if e.dtype == "BF16" else "data", self._pos, len(s.data),
@@ -287,8 +287,6 @@ class ContainerWriter:
             index_offset = self._pos
             full_meta = {"format_version": self.version, "created_by": f"zipmoe {__version__}",
                          "codec": self.codec.id, "shard_size": self.shard_size, "alignment": fmt.ALIGNMENT}
-            if self._packed:
-                full_meta["small_tensor_bytes"] = fmt.SMALL_TENSOR_BYTES
             full_meta.update(meta)
             full_meta.setdefault("totals", {
                 "bf16_bytes": self.stats.bf16_bytes, "bf16_stored_bytes": self.stats.bf16_stored_bytes,
