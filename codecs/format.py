@@ -645,8 +645,11 @@ def index_from_bytes(raw: bytes, data_end: int, where: str = "file", minor: int 
         meta = doc.get("meta")
         if not isinstance(meta, dict):
             raise _Bad("meta is missing")
-        if not _depth_ok(meta, MAX_DEPTH - 1):
-            raise _Bad(f"meta is nested deeper than {MAX_DEPTH} levels")
+        for key, value in doc.items():  # the tensors' own fields are bounded by their schema
+            extra = ([v for k, v in value.items() if k not in _COLUMNS] if key == "tensors" and type(value) is dict
+                     else [] if key == "tensors" else [value])
+            if not all(_depth_ok(v, MAX_DEPTH - 1) for v in extra):
+                raise _Bad(f"{key} is nested deeper than {MAX_DEPTH} levels")
         tensors = doc.get("tensors")
         if minor == 0 and not isinstance(tensors, list):
             raise _Bad("tensors is missing")

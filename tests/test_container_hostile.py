@@ -196,6 +196,17 @@ def test_deeply_nested_index(mixtral, capsys, tmp_path):
         ContainerReader(p)
 
 
+    def unknown_key(doc):  # readers ignore unknown keys, but not how deep they go
+        v = []
+        for _ in range(200):
+            v = [v]
+        doc["future_key"] = v
+
+    p = _write(tmp_path / "k.zmoe", rewrite_index(data, unknown_key))
+    with pytest.raises(ContainerError, match="future_key is nested deeper than 64"):
+        ContainerReader(p)
+
+
 def test_index_larger_than_the_limit_is_refused_before_reading(tmp_path, capsys):
     """A header claiming a 1.5 GiB index (the file is that large, sparse) is refused from the
     header alone: nothing of that size is read or allocated."""
