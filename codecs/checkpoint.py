@@ -185,6 +185,7 @@ class Checkpoint:
                  config: dict | None, extra_files: dict[str, Path], metadata: dict[Path, dict],
                  path: Path | None = None):
         self.path = path if path is not None else root  # what the caller opened
+        self.source_name = Path(self.path).resolve().name  # or the hub repo id (open_checkpoint)
         self.root = root
         self.files = files
         self.tensors = tensors
@@ -317,10 +318,20 @@ def _check_index(root: Path, tensors: list[SourceTensor]) -> None:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a Hugging Face model folder or one .safetensors file (see the module docstring)."""
+    """Open a Hugging Face model folder or one .safetensors file (see the module docstring), or
+    a hub repo id ``ORG/NAME[@REVISION]`` that is no local path (:mod:`zipmoe.codecs.hub`: from
+    the local hub cache, downloaded when allowed). ``source_name`` on the result is the folder's
+    name, or the repo id."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder")
+        from .hub import is_repo_id, resolve_source
+
+        if not is_repo_id(str(path)):
+            raise CheckpointError(f"{p}: no such file or folder")
+        ref = resolve_source(str(path), ["*.safetensors", "*.safetensors.index.json", *EXTRA_FILE_NAMES])
+        ckpt = open_checkpoint(ref.path)
+        ckpt.source_name = ref.name
+        return ckpt
     if p.is_file():
         if p.suffix in (".bin", ".pt", ".pth"):
             raise CheckpointError(_bin_message(p))

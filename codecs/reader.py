@@ -1,9 +1,11 @@
 """Read .zmoe containers (docs/format.md): :class:`ContainerReader` and the decode helpers.
 
-Opening a file reads the 64-byte header and the index and validates both (magic, version,
-checksums, file size, every extent and chunk inside the data region, known codecs): a
-truncated, corrupted or newer file raises :class:`~zipmoe.errors.ContainerError` naming what
-is wrong. Tensor data is read with ``pread`` (thread-safe, no file position) and each chunk's
+Opening a file reads the 64-byte header, the index (and the 1.1 chunk table) and config.json
+and validates them (magic, version, checksums, file size, every extent and chunk inside the data
+region, sizes bounded before anything is allocated, known codecs, and every entry's metadata
+against the naming rules: :func:`zipmoe.codecs.metadata.check_metadata`): a truncated,
+corrupted, hostile or newer file raises :class:`~zipmoe.errors.ContainerError` naming what is
+wrong, so every user of the reader (verify, unpack, the serving runtime) refuses it alike. Tensor data is read with ``pread`` (thread-safe, no file position) and each chunk's
 checksum is checked before it is decoded.
 
 Decoding writes into caller-provided buffers; pass one :class:`DecodeContext` per thread
@@ -23,9 +25,11 @@ from zipmoe.errors import ChecksumError, ContainerError
 from zipmoe.kernels.cpu import merge_into
 
 from . import format as fmt
+from .index_read import index_from_bytes
 from .checksum import checksum, container_id, verify_chunk
 from .exponent import DecodeContext, get_codec, thread_context
 from .format import Chunk, FileEntry, TensorEntry
+from .metadata import check_metadata
 
 __all__ = ["ContainerReader", "TensorEntry", "Chunk", "FileEntry", "DecodeContext",
            "decode_exp_into", "decode_chunks_into", "verify_chunk"]
@@ -62,11 +66,6 @@ def decode_exp_into(entry: TensorEntry, stored_exp, exp_out: np.ndarray, ctx: De
     decode_chunks_into(entry, exp_chunks, stored_exp, exp_chunks[0].offset, exp_out, ctx, verify)
 
 
-_NP_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
-              "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "U16": np.uint16,
-              "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_}
-
-
 class ContainerReader:
     """An opened .zmoe file. Thread-safe reads; decode with one DecodeContext per thread."""
 
@@ -88,21 +87,24 @@ class ContainerReader:
             raw_index = self._pread(self.header.index_offset, self.header.index_length)
             if checksum(raw_index) != self.header.index_checksum:
                 raise ContainerError(f"{where} is corrupted: index checksum mismatch")
-            index = fmt.index_from_bytes(raw_index, self.header.index_offset, where)
+            index = index_from_bytes(raw_index, self.header.index_offset, where, self.header.version_minor,
+                                         self._pread)
+            self._index_bytes = raw_index
+            self.meta: dict = index.meta
+            self.entries: list[TensorEntry] = index.entries
+            self.file_entries: dict[str, FileEntry] = {f.name: f for f in index.files}
+            self.files: list[str] = [f.name for f in index.files]
+            self.container_id: str = container_id(raw_index)
+            self._table_extent = index.table_extent
+            self._config = None
+            check_metadata(self.entries, self.config, self.meta, where)
         except BaseException:
             self.close()
             raise
-        self._index_bytes = raw_index
-        self.meta: dict = index.meta
-        self.entries: list[TensorEntry] = index.entries
-        self.file_entries: dict[str, FileEntry] = {f.name: f for f in index.files}
-        self.files: list[str] = [f.name for f in index.files]
-        self.container_id: str = container_id(raw_index)
         self._by_expert: dict[tuple, list[TensorEntry]] = defaultdict(list)
         for e in self.entries:
             if e.role == "expert":
                 self._by_expert[(e.layer, e.expert)].append(e)
-        self._config = None
 
     # ------------------------------------------------------------------------ raw access
     def _pread(self, offset: int, length: int) -> bytes:
@@ -121,16 +123,6 @@ class ContainerReader:
             raise ContainerError(f"{self.path} is closed")
         return self._pread(offset, length) if length else b""
 
-    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
-        """pread ``len(out)`` bytes at ``offset`` into a 1-D uint8 array."""
-        view, done, n = memoryview(out), 0, out.shape[0]
-        while done < n:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:
-                raise ContainerError(f"{self.path} is truncated (end of file at {offset + done})")
-            done += got
-        return out
-
     verify_chunk = staticmethod(verify_chunk)
 
     # ------------------------------------------------------------------------ metadata
@@ -138,7 +130,15 @@ class ContainerReader:
     def config(self) -> dict:
         """The model's config.json ({} when the source had none)."""
         if self._config is None:
-            self._config = json.loads(self.read_file("config.json")) if "config.json" in self.file_entries else {}
+            cfg = {}
+            if "config.json" in self.file_entries:
+                try:
+                    cfg = json.loads(self.read_file("config.json"))
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                    raise ContainerError(f"{self.path}: embedded config.json is not valid JSON: {exc}") from None
+                if not isinstance(cfg, dict):
+                    raise ContainerError(f"{self.path}: embedded config.json is not a JSON object")
+            self._config = cfg
         return self._config
 
     def read_file(self, name: str) -> bytes:
@@ -155,9 +155,6 @@ class ContainerReader:
 
     def expert_entries(self, layer: int, expert: int) -> list[TensorEntry]:
         return list(self._by_expert.get((layer, expert), []))
-
-    def expert_keys(self) -> list[tuple]:
-        return sorted(self._by_expert, key=lambda k: (k[0] if k[0] is not None else -1, k[1] if k[1] is not None else -1))
 
     def dense_entries(self) -> list[TensorEntry]:
         return [e for e in self.entries if e.role == "dense"]
@@ -202,18 +199,13 @@ class ContainerReader:
             decode_chunks_into(entry, entry.chunks, stored, off, out, ctx)
         return out
 
-    def decode_array(self, entry: TensorEntry, ctx: DecodeContext | None = None) -> np.ndarray:
-        """Convenience: the entry as a numpy array of its shape (BF16 as uint16)."""
-        raw = self.decode_entry(entry, ctx=ctx)
-        if entry.dtype not in _NP_DTYPES:
-            return raw
-        return raw.view(_NP_DTYPES[entry.dtype]).reshape(entry.shape)
-
     def padding_ranges(self) -> list[tuple]:
         """(offset, length) of every byte the index does not describe (must all be zero)."""
         used = [(fmt.HEADER_SIZE, 0)]
         used += [e.extent for e in self.entries if e.extent[1]]
         used += [(f.offset, f.length) for f in self.file_entries.values()]
+        if self._table_extent:
+            used.append(self._table_extent)
         used.sort()
         gaps, pos = [], fmt.HEADER_SIZE
         for off, length in used:
@@ -255,107 +247,3 @@ class ContainerReader:
 
     def __repr__(self) -> str:
         return f"ContainerReader({str(self.path)!r}, {len(self.entries)} entries)"
-
-
-# ============================================================================ verify
-
-
-class VerifyReport:
-    """What :func:`verify_container` checked."""
-
-    def __init__(self) -> None:
-        self.entries = 0
-        self.bytes = 0
-        self.files = 0
-        self.compared = False
-        self.seconds = 0.0
-
-
-def verify_container(path, against=None, workers: int | None = None,
-                     progress=None) -> VerifyReport:
-    """Check every checksum, decode every entry, check padding; with ``against`` (a source
-    checkpoint path) compare each tensor bit for bit. Raises at the first problem, in file
-    order: :class:`ChecksumError` naming tensor and chunk, or :class:`ContainerError`.
-    """
-    import time
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
-    from zipmoe.machine import pack_workers
-
-    t0 = time.perf_counter()
-    rep = VerifyReport()
-    workers = workers or pack_workers()
-    ckpt = None
-    if against is not None:
-        from .checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(against)
-    try:
-        with ContainerReader(path) as r:
-            r.check_padding()
-            for name in r.files:
-                data = r.read_file(name)
-                if ckpt is not None and name in ckpt.extra_files:
-                    if Path(ckpt.extra_files[name]).read_bytes() != data:
-                        raise ContainerError(f"embedded file {name} differs from the source")
-                rep.files += 1
-            if ckpt is not None:
-                _check_coverage(r, ckpt)
-            total = sum(e.nbytes for e in r.entries)
-
-            def check(e: TensorEntry):
-                out = r.decode_entry(e)
-                if ckpt is not None:
-                    _compare(e, out, ckpt)
-                return e.nbytes
-
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zipmoe-verify") as pool:
-                window: deque = deque()
-                entries = iter(r.entries)
-                while True:
-                    while len(window) < 2 * workers:
-                        e = next(entries, None)
-                        if e is None:
-                            break
-                        window.append(pool.submit(check, e))
-                    if not window:
-                        break
-                    rep.bytes += window.popleft().result()
-                    rep.entries += 1
-                    if progress:
-                        progress(rep.bytes, total)
-    finally:
-        if ckpt is not None:
-            ckpt.close()
-    rep.compared = ckpt is not None
-    rep.seconds = time.perf_counter() - t0
-    return rep
-
-
-def _label(e: TensorEntry) -> str:
-    return f"{e.name} (expert {e.fused_index})" if e.fused_index is not None else e.name
-
-
-def _check_coverage(r: ContainerReader, ckpt) -> None:
-    from .safetensors_out import plan_tensors
-
-    plans = {p.name: p for p in plan_tensors(r.entries)}
-    for t in ckpt.tensors:
-        p = plans.get(t.name)
-        if p is None:
-            raise ContainerError(f"tensor {t.name} of the source is missing from the container")
-        if p.dtype != t.dtype or tuple(p.shape) != tuple(t.shape):
-            raise ContainerError(f"tensor {t.name}: container has {p.dtype} {list(p.shape)}, source has {t.dtype} {list(t.shape)}")
-    extra = set(plans) - {t.name for t in ckpt.tensors}
-    if extra:
-        raise ContainerError(f"tensor {sorted(extra)[0]} of the container is not in the source")
-
-
-def _compare(e: TensorEntry, out: np.ndarray, ckpt) -> None:
-    st = ckpt.tensor(e.name)
-    start = e.fused_index * e.nbytes if e.fused_index is not None else 0
-    src = ckpt.read(st, start, e.nbytes)
-    if not np.array_equal(src, out):
-        i = int(np.flatnonzero(src != out)[0])
-        raise ContainerError(f"tensor {_label(e)} differs from the source at byte {i}")

@@ -30,6 +30,8 @@ import numpy as np
 from zipmoe.errors import ContainerError, OutOfSpaceError, UsageError, ZipmoeError
 
 from . import format as fmt
+from .index_read import is_plain_name
+from .reader import ContainerReader
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
@@ -174,7 +176,6 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
            progress: Callable[[int, int], None] | None = None) -> UnpackSummary:
     """Restore a model folder from a .zmoe (see the module docstring)."""
-    from .reader import ContainerReader
     from zipmoe.machine import pack_workers
 
     t0 = time.perf_counter()
@@ -239,7 +240,7 @@ def unpack(container_path, out_dir, force: bool = False, workers: int | None = N
                 _write_small(tmp / INDEX_NAME, json.dumps(doc, indent=2).encode())
                 written.append(INDEX_NAME)
             for name in r.files:
-                if name.endswith(".safetensors") or name == INDEX_NAME or not fmt.is_plain_name(name):
+                if name.endswith(".safetensors") or name == INDEX_NAME or not is_plain_name(name):
                     raise ContainerError(f"{container_path}: embedded file name {name!r} would clash with the weights")
                 _write_small(tmp / name, r.read_file(name))
                 written.append(name)

@@ -6,6 +6,11 @@ compression, checksum) to a thread pool, and writes finished tensors in the orde
 added. At most ``max_pending_bytes`` of source data are in flight (or one tensor, if larger),
 so memory is bounded by the largest tensor, not by the checkpoint.
 
+Dense entries are packed back to back and embedded files
+follow each other without padding; the chunks of every entry go to the binary chunk table
+before the index (format 1.1, docs/format.md 5.5 and 6). ``version="1.0"`` writes the older
+layout (every extent and file aligned, chunks inline in the JSON) that 1.0 readers read.
+
 The file is written under a temporary name in the destination folder; the header (with the
 magic) is written last, then fsync and rename. Any exception, Ctrl-C included, removes the
 temporary file; a full disk becomes :class:`~zipmoe.errors.OutOfSpaceError`.
@@ -34,6 +39,7 @@ from zipmoe.errors import OutOfSpaceError, UsageError, ZipmoeError
 from zipmoe.kernels.cpu import split_into
 
 from . import format as fmt
+from .index_read import is_plain_name
 from .bitfield import entropy_from_counts, histogram_into
 from .checksum import checksum
 from .exponent import CODECS, compress_or_raw, get_codec
@@ -83,8 +89,14 @@ class ContainerWriter:
     """
 
     def __init__(self, out_path, codec: str = "zstd", shard_size: int = fmt.DEFAULT_SHARD_SIZE,
-                 workers: int | None = None, force: bool = False, max_pending_bytes: int = 256 << 20):
+                 workers: int | None = None, force: bool = False, max_pending_bytes: int = 256 << 20,
+                 version: str = fmt.FORMAT_VERSION):
         self.out_path = Path(out_path)
+        if version not in ("1.0", fmt.FORMAT_VERSION):
+            raise UsageError(f"format version must be 1.0 or {fmt.FORMAT_VERSION}, got {version}")
+        self.version = version
+        self._packed = version != "1.0"  # 1.1: dense extents and files back to back
+        self._prev_dense = False
         self.codec = get_codec(codec)
         if shard_size < 1 or shard_size >= 1 << 31:
             raise UsageError(f"shard size must be between 1 byte and 2 GiB, got {shard_size}")
@@ -205,7 +217,10 @@ class ContainerWriter:
         self._pending_bytes -= pend.source_nbytes
         shards: list[_Shard] = [f.result() for f in pend.futures]
         e = pend.entry
-        self._pad()
+        packed = self._packed and e.role == "dense"
+        if not (packed and self._prev_dense):
+            self._pad()
+        self._prev_dense = packed
         start = self._pos
         for s in shards:
             e.chunks.append(fmt.Chunk("exp" if e.dtype == "BF16" else "data", self._pos, len(s.data),
@@ -240,7 +255,7 @@ class ContainerWriter:
     # -------------------------------------------------------------------------- files, finish
     def add_file(self, name: str, data: bytes) -> None:
         """Embed a small file (config.json, tokenizer files, ...) under a plain file name."""
-        if not fmt.is_plain_name(name):
+        if not is_plain_name(name):
             raise ValueError(f"embedded file name must be a plain file name: {name!r}")
         self._files.append(fmt.FileEntry(name, 0, 0, len(data), "", 0))
         self._files[-1]._data = bytes(data)  # written in finish(), after the tensors
@@ -249,24 +264,33 @@ class ContainerWriter:
         """Write files, index and header; fsync; rename into place. Returns the statistics."""
         try:
             self.flush()
-            for f in self._files:
+            for k, f in enumerate(self._files):
                 codec, stored = compress_or_raw(self._file_codec, f._data)
-                self._pad()
+                if k == 0 or not self._packed:
+                    self._pad()
                 f.offset, f.length, f.codec, f.checksum = self._pos, len(stored), codec, checksum(stored)
                 self._write(stored)
                 del f._data
             self._pad()
+            table = None
+            if self._packed:
+                raw_table = fmt.chunk_table_bytes(self._entries)
+                table = {"offset": self._pos, "count": len(raw_table) // fmt.CHUNK_RECORD.itemsize,
+                         "checksum": checksum(raw_table)}
+                self._write(raw_table)
+                self._pad()
             index_offset = self._pos
-            full_meta = {"format_version": fmt.FORMAT_VERSION, "created_by": f"zipmoe {__version__}",
+            full_meta = {"format_version": self.version, "created_by": f"zipmoe {__version__}",
                          "codec": self.codec.id, "shard_size": self.shard_size, "alignment": fmt.ALIGNMENT}
             full_meta.update(meta)
             full_meta.setdefault("totals", {
                 "bf16_bytes": self.stats.bf16_bytes, "bf16_stored_bytes": self.stats.bf16_stored_bytes,
                 "bound_bytes": int(round(self.stats.bound_bytes)), "other_bytes": self.stats.other_bytes,
                 "other_stored_bytes": self.stats.other_stored_bytes})
-            raw_index = fmt.index_to_bytes(fmt.Index(full_meta, self._entries, self._files))
+            raw_index = fmt.index_to_bytes(fmt.Index(full_meta, self._entries, self._files), table)
             self._write(raw_index)
-            header = fmt.pack_header(index_offset, len(raw_index), checksum(raw_index))
+            header = fmt.pack_header(index_offset, len(raw_index), checksum(raw_index),
+                                     minor=int(self.version.split(".")[1]))
             self._pwrite_header(header)
             self._fsync()
             os.close(self._fd)
@@ -410,20 +434,21 @@ class _Item:
                 _PROJ_ORDER.get(self.proj, 9), self.source_index, self.fused_index or 0)
 
 
-def plan_items(ckpt, classify) -> list[_Item]:
-    """One item per entry to write, in file order (dense in source order, then experts)."""
+def plan_items(ckpt) -> list[_Item]:
+    """One item per entry to write, in file order (dense in source order, then experts), with
+    the metadata :func:`zipmoe.codecs.metadata.derive` gives each name (what readers check)."""
+    from .metadata import derive
+
     items: list[_Item] = []
     for i, st in enumerate(ckpt.tensors):
-        r = classify(st.name, st.shape, ckpt.config)
-        if r.role == "expert" and r.fused and len(st.shape) >= 1 and st.shape[0] > 0:
-            E = st.shape[0]
+        d = derive(st.name, tuple(st.shape), ckpt.config)
+        if d.fused is not None:
+            E = d.fused
             per = st.nbytes // E
             for e in range(E):
-                items.append(_Item(st, i, "expert", r.layer, e, r.proj, e, e * per, per, tuple(st.shape[1:])))
+                items.append(_Item(st, i, "expert", d.layer, e, d.proj, e, e * per, per, tuple(st.shape[1:])))
         else:
-            role = r.role if not (r.role == "expert" and r.expert is None) else "dense"
-            items.append(_Item(st, i, role, r.layer, r.expert if role == "expert" else None,
-                               r.proj if role == "expert" else None, None, 0, st.nbytes, tuple(st.shape)))
+            items.append(_Item(st, i, d.role, d.layer, d.expert, d.proj, None, 0, st.nbytes, tuple(st.shape)))
     items.sort(key=_Item.order)
     return items
 
@@ -456,14 +481,17 @@ def model_meta(ckpt, items: list[_Item], num_experts_fn) -> dict:
 
 def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.DEFAULT_SHARD_SIZE,
          workers: int | None = None, force: bool = False,
-         progress: Callable[[int, int], None] | None = None) -> PackSummary:
-    """Pack a checkpoint folder (or .safetensors file) into ``out_path`` (.zmoe).
+         progress: Callable[[int, int], None] | None = None, version: str = fmt.FORMAT_VERSION) -> PackSummary:
+    """Pack a checkpoint folder (or .safetensors file, or hub repo id) into ``out_path`` (.zmoe).
+
+    ``version="1.0"`` writes the older layout (for readers that have not been updated, and for
+    the size comparisons of benchmarks/container_size.py).
 
     ``progress(done_bytes, total_bytes)`` is called after each tensor is queued. Raises
     :class:`~zipmoe.errors.ZipmoeError` subclasses for everything a user can cause.
     """
     from .checkpoint import open_checkpoint
-    from .naming import classify, num_experts
+    from .naming import num_experts
 
     t0 = time.perf_counter()
     get_codec(codec)
@@ -472,18 +500,18 @@ def pack(checkpoint_path, out_path, codec: str = "zstd", shard_size: int = fmt.D
         src_files = {Path(f).resolve() for f in ckpt.files}
         if out_path.resolve() in src_files or out_path.resolve() in {Path(p).resolve() for p in ckpt.extra_files.values()}:
             raise UsageError(f"{out_path} is part of the source checkpoint: choose another output name")
-        items = plan_items(ckpt, classify)
+        items = plan_items(ckpt)
         total = sum(it.length for it in items)
         n_expert_entries = sum(1 for it in items if it.role == "expert")
         fused = len({it.source_index for it in items if it.fused_index is not None})
         layout = "fused" if fused else ("split" if n_expert_entries else "dense")
         meta = {
             "model": model_meta(ckpt, items, num_experts),
-            "source": {"name": Path(checkpoint_path).resolve().name, "num_tensors": len(ckpt.tensors),
+            "source": {"name": ckpt.source_name, "num_tensors": len(ckpt.tensors),
                        "total_bytes": ckpt.total_bytes, "files": [Path(f).name for f in ckpt.files],
                        "layout": layout},
         }
-        with ContainerWriter(out_path, codec, shard_size, workers, force) as w:
+        with ContainerWriter(out_path, codec, shard_size, workers, force, version=version) as w:
             done = 0
             for it in items:
                 data = ckpt.read(it.st, it.start, it.length)

@@ -12,9 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_container_helpers import write_dense, write_fused, write_mixtral
-from zipmoe.codecs import format as fmt
-from zipmoe.codecs.checksum import checksum
+from test_container_helpers import rewrite_index, write_dense, write_fused, write_mixtral
 from zipmoe.codecs.reader import ContainerReader
 from zipmoe_cli.app import main
 
@@ -162,12 +160,13 @@ def packed(tmp_path, capsys):
 
 
 def _reheader(data: bytes, major: int = 1, index_fn=None) -> bytes:
-    ioff, ilen = struct.unpack_from("<QQ", data, 24)
-    index = data[ioff:ioff + ilen]
-    if index_fn:
-        index = index_fn(index)
-    body = struct.pack("<8sHHIQQQQQ", fmt.MAGIC, major, 0, 64, 4096, ioff, len(index), checksum(index), 0)
-    return body + struct.pack("<Q", checksum(body)) + data[64:ioff] + index
+    return rewrite_index(data, index_fn, major=major)
+
+
+def _brot(doc: dict) -> None:
+    """Give the first zstd chunk the unknown codec id "brot"."""
+    c = next(c for e in doc["tensors"] for c in e["chunks"] if c["codec"] == "zstd")
+    c["codec"] = "brot"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "chunk_flip", "index_flip", "magic", "future", "codec", "missing"])
@@ -192,7 +191,7 @@ def test_bad_containers(packed, capsys, damage):
     elif damage == "future":
         bad.write_bytes(_reheader(data, major=3))
     elif damage == "codec":
-        bad.write_bytes(_reheader(data, index_fn=lambda ix: ix.replace(b'"codec":"zstd","checksum"', b'"codec":"brot","checksum"', 1)))
+        bad.write_bytes(_reheader(data, index_fn=_brot))
     needle = {"truncated": "truncated", "chunk_flip": f"tensor {e.name} chunk {len(e.chunks) - 1} (sm): checksum mismatch",
               "index_flip": "index checksum mismatch", "magic": "not a .zmoe file",
               "future": "newer zipmoe", "codec": "unknown codec 'brot'", "missing": "no such file"}[damage]

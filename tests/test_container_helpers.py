@@ -88,3 +88,78 @@ def write_dense(out: Path, seed: int = 2) -> dict:
     (out / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1}))
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     return t
+
+
+def read_index(data: bytes) -> dict:
+    """The index of a container (bytes) as a 1.0-style JSON document, one object per tensor with
+    its chunks inline (a 1.1 file's tensor columns and chunk table expanded), to edit in tests."""
+    import struct
+
+    from zipmoe.codecs import format as fmt
+
+    minor = struct.unpack_from("<H", data, 10)[0]
+    ioff, ilen = struct.unpack_from("<QQ", data, 24)
+    doc = json.loads(data[ioff:ioff + ilen])
+    if minor >= 1:
+        t = doc.pop("chunk_table")
+        rec = np.frombuffer(data[t["offset"]:t["offset"] + t["count"] * fmt.CHUNK_RECORD.itemsize], fmt.CHUNK_RECORD)
+        cols = doc["tensors"]
+        doc["tensors"] = [dict(zip(cols, row)) for row in zip(*cols.values())]
+        a = 0
+        for e in doc["tensors"]:
+            n = e.pop("chunk_count")
+            e["extent"] = [e.pop("extent_offset"), e.pop("extent_length")]
+            a += n
+            e["chunks"] = [{"kind": fmt.KINDS[int(r["kind"])], "offset": int(r["offset"]), "length": int(r["length"]),
+                            "raw_offset": int(r["raw_offset"]), "raw_length": int(r["raw_length"]),
+                            "codec": t["codecs"][int(r["codec"])], "checksum": format(int(r["checksum"]), "016x")}
+                           for r in rec[a - n:a]]
+    return doc
+
+
+def rewrite_index(data: bytes, edit=None, *, major: int = 1, minor: int | None = None,
+                  raw_index: bytes | None = None) -> bytes:
+    """Re-emit a container (bytes) with its index edited and every checksum made valid again:
+    ``edit(doc)`` changes the document :func:`read_index` gives (in place or by returning a new
+    one); a 1.1 file gets its chunk table rebuilt from the edited chunks. ``major``/``minor``
+    go into the header (the minor defaults to the file's). ``raw_index`` replaces
+    the index bytes outright (for JSON no writer would produce). The data region is unchanged,
+    so a hostile file built this way has valid chunk checksums and only what the edit says wrong."""
+    import struct
+
+    from zipmoe.codecs import format as fmt
+    from zipmoe.codecs.checksum import checksum
+
+    header_minor = minor
+    minor = struct.unpack_from("<H", data, 10)[0]
+    ioff = struct.unpack_from("<Q", data, 24)[0]
+    doc = read_index(data)
+    if edit is not None:
+        doc = edit(doc) or doc
+    body_end = ioff
+    table = b""
+    if minor >= 1:
+        ioff_doc = json.loads(data[ioff:ioff + struct.unpack_from("<Q", data, 32)[0]])
+        body_end = ioff_doc["chunk_table"]["offset"]
+        codecs = list(fmt.KNOWN_CODECS)
+        chunks = [c for e in doc["tensors"] for c in e["chunks"]]
+        for c in chunks:
+            if c["codec"] not in codecs:
+                codecs.append(c["codec"])
+        rec = np.zeros(len(chunks), fmt.CHUNK_RECORD)
+        for i, c in enumerate(chunks):
+            rec[i] = (c["offset"], c["length"], c["raw_offset"], c["raw_length"], int(c["checksum"], 16),
+                      fmt.KINDS.index(c["kind"]), codecs.index(c["codec"]), b"")
+        table = rec.tobytes()
+        rows = doc["tensors"]
+        for e in rows:
+            e["chunk_count"] = len(e.pop("chunks"))
+            e["extent_offset"], e["extent_length"] = e.pop("extent")
+        doc["tensors"] = {k: [e.get(k) for e in rows] for k in (rows[0] if rows else {})}
+        doc["chunk_table"] = {"offset": body_end, "count": len(chunks), "record_size": fmt.CHUNK_RECORD.itemsize,
+                              "codecs": codecs, "checksum": format(checksum(table), "016x")}
+        table += bytes(fmt.align_up(len(table)) - len(table))
+    index = raw_index if raw_index is not None else json.dumps(doc).encode()
+    new_ioff = body_end + len(table)
+    hdr = struct.pack("<8sHHIQQQQQ", fmt.MAGIC, major, minor if header_minor is None else header_minor, 64, 4096, new_ioff, len(index), checksum(index), 0)
+    return hdr + struct.pack("<Q", checksum(hdr)) + data[64:body_end] + table + index

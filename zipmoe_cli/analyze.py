@@ -21,7 +21,7 @@ def _bits(x: float | None, nd: int = 3) -> str:
 
 
 def analyze(
-    path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors) or one .safetensors file."),
+    path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors), one .safetensors file, or a hub repo id ORG/NAME[@REVISION]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
     measure: bool = typer.Option(False, "--measure", help="Also compress with each codec: real sizes and decode speed (slow)."),
     codec: Optional[List[str]] = typer.Option(None, "--codec", help="Codec(s) for --measure (repeatable; default: all)."),

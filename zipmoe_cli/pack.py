@@ -1,4 +1,4 @@
-"""`zipmoe pack`: a checkpoint folder (or .safetensors file) into one .zmoe container."""
+"""`zipmoe pack`: a checkpoint folder (or .safetensors file, or hub repo id) into one .zmoe container."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def progress_bar(description: str):
 
 
 def pack(
-    path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors) or one .safetensors file."),
+    path: Path = typer.Argument(..., help="Model folder (config.json + *.safetensors), one .safetensors file, or a hub repo id ORG/NAME[@REVISION] (from the local hub cache; downloaded unless HF_HUB_OFFLINE is set)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .zmoe file."),
     codec: str = typer.Option("zstd", "--codec", help="Exponent codec: zstd (default, smallest), zstd-fast, lz4, lz4hc."),
     shard_size: str = typer.Option("1M", "--shard-size", help="Exponent bytes per compressed chunk, e.g. 256K, 1M."),

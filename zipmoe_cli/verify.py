@@ -1,4 +1,5 @@
-"""`zipmoe verify`: every checksum, every tensor decoded, optionally compared with the source."""
+"""`zipmoe verify`: the index and its metadata, every checksum, every tensor decoded, optionally
+compared with the source (a folder, a file or a hub repo id)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import typer
 
 def verify(
     file: Path = typer.Argument(..., help="The .zmoe file."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Source checkpoint to compare bit for bit: a folder, a .safetensors file or a hub repo id ORG/NAME[@REVISION]."),
     workers: int = typer.Option(0, "--workers", help="Decode threads (default: one per core)."),
 ) -> None:
-    """Check a container; exit 0 only when every byte is right."""
+    """Check a container; exit 0 only when every byte is right.
+
+    Header and index; every size bounded before use; every entry's role/layer/expert/proj
+    against the naming rules, no expert projection twice, every MoE layer with every expert;
+    zero padding; every chunk's checksum; every tensor decoded; with --against, bit for bit
+    against the source (a folder, a .safetensors file or a hub repo id ORG/NAME[@REVISION]).
+    """
     from rich.console import Console
 
-    from zipmoe.codecs.reader import verify_container
+    from zipmoe.codecs.verify import verify_container
     from zipmoe.units import format_size
 
     from .pack import progress_bar

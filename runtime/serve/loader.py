@@ -264,6 +264,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         target = sd_meta.get(key)
         if target is None:
             continue  # e.g. rotary inv_freq saved by old exporters; transformers ignores these too
+        if tuple(entry.shape) != tuple(target.shape):  # before anything is decoded
+            raise ModelError(f"tensor {entry.name} has shape {list(entry.shape)}; the model expects {list(target.shape)}")
         to_load.append((entry, key, target))
     dense_bytes = 0
     seen = set()
