@@ -129,7 +129,7 @@ def chat(
     budget_bytes = parse_size(budget)
     workers = workers or default_workers()
     threads = threads or default_threads(workers)
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Console(highlight=False, soft_wrap=True)
     quiet = as_json
 
@@ -153,7 +153,8 @@ def chat(
         if loop is not None:
             kv = format_size(loop.kv_bytes) if loop.kv_bytes is not None else "allocated at the first turn"
             note = (f" (asked for {context}; the model's limit is {loop.context})" if loop.clamped else "")
-            err.print(f"KV cache: {loop.context} tokens{note}, {kv} on top of the budget", style="dim", markup=False)
+            err.print(f"KV cache: {loop.context} tokens{note}, {kv} on top of the budget", style="dim", markup=False,
+                      soft_wrap=True)
     base = [{"role": "system", "content": system}] if system else []
 
     def turn(messages, stream: bool):
@@ -222,7 +223,7 @@ def chat(
             try:
                 res = turn(history, stream=True)
             except ContextFull as exc:  # the conversation outgrew the KV cache: say so, drop the turn
-                err.print(f"zipmoe: {str(exc).splitlines()[0]}", style="red", markup=False)
+                err.print(f"zipmoe: {str(exc).splitlines()[0]}", style="red", markup=False, soft_wrap=True)
                 history.pop()
                 continue
             except ZipmoeError as exc:  # e.g. a corrupted chunk: say it, drop the turn, go on
