@@ -238,3 +238,22 @@ def test_encoder_decoder_is_refused_with_one_line(tmp_path_factory):
             DecodeLoop(model)
     finally:
         model.zipmoe.close()
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, family):
+    from zipmoe.runtime.serve.kvsize import kv_cache_bytes_upper
+
+    src, path = container(tmp_path_factory, family)
+    cfg = json.loads((src / "config.json").read_text())
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    try:
+        for b in (1, 4):
+            loop = DecodeLoop(model, context=40, batch=b)
+            est = kv_cache_bytes_upper(cfg, batch=b, context=40, itemsize=2)
+            assert loop.kv_bytes == loop._allocated_bytes() and 0 < loop.kv_bytes <= est
+            if not cfg.get("sliding_window"):
+                assert loop.kv_bytes == est
+    finally:
+        model.zipmoe.close()

@@ -363,7 +363,8 @@ class DecodeLoop:
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int = 256, do_sample=None,
                  temperature=None, top_p=None, top_k=None, seed: int | None = None, reuse: bool = False,
-                 on_token=None, keep_logits: bool = False, min_new_tokens: int = 0, generation_kwargs=None) -> GenerateResult:
+                 on_token=None, keep_logits: bool = False, min_new_tokens: int = 0, generation_kwargs=None,
+                 stop_when=None) -> GenerateResult:
         """Prefill then decode up to ``max_new_tokens`` tokens per row, as ``model.generate`` would
         with a static cache and the same settings (greedy when the generation config says so).
 
@@ -372,12 +373,17 @@ class DecodeLoop:
         what came so far. Stops at end-of-sequence (every row), at ``max_new_tokens`` or when the
         cache is full (``stop`` = ``"context"``). The last token is not fed through the model (as
         in ``generate``): ``self.tokens`` then holds the prompt and every new token but the last.
+        ``stop_when(n)``, called after the ``n``-th new token, ends the answer when it returns
+        True (``stop`` = ``"stop_when"``; a time limit, say). ``generation_kwargs``: further
+        ``GenerationConfig`` fields (``pad_token_id``, ``repetition_penalty``, ...).
         """
         if max_new_tokens < 1:
             raise UsageError("max_new_tokens must be at least 1")
-        cfg = self.generation_config(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     max_new_tokens=int(max_new_tokens), min_new_tokens=int(min_new_tokens),
-                                     **(generation_kwargs or {}))
+        extra = dict(generation_kwargs or {})
+        given = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+        given.update({k: extra.pop(k) for k in list(given) if k in extra and given[k] is None})
+        cfg = self.generation_config(**given, max_new_tokens=int(max_new_tokens), min_new_tokens=int(min_new_tokens),
+                                     **extra)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.ndim == 1:
             ids = ids[None]
@@ -431,6 +437,9 @@ class DecodeLoop:
                     break
                 if n >= max_new_tokens:
                     res.stop = "max_new_tokens"
+                    break
+                if stop_when is not None and stop_when(n):
+                    res.stop = "stop_when"
                     break
                 if self.length >= self.context:
                     res.stop = "context"
