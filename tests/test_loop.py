@@ -257,3 +257,37 @@ def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, fa
                 assert loop.kv_bytes == est
     finally:
         model.zipmoe.close()
+
+
+def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
+    """The planner's served passes call loop_generate as they called model.generate: same
+    sequences as transformers with a static cache, the streamer fed the prompt then each token."""
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    from zipmoe.runtime.serve.loop import loop_generate
+
+    class Stream:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, v):
+            self.puts.append(v.tolist())
+
+        def end(self):
+            self.ended = True
+
+    batch = inputs(_vocab(src), False, batch=4, seed=5)
+    try:
+        s = Stream()
+        got = loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=4, min_new_tokens=4,
+                            streamer=s, pad_token_id=0)
+        want = _ref_generate(ref, batch, 4, context=model._zipmoe_loops[4].context, min_new_tokens=4)
+        assert torch.equal(got, want.sequences)
+        assert s.puts[0] == batch["input_ids"].tolist() and len(s.puts) == 5 and s.ended
+        first = model._zipmoe_loops[4]
+        loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=2, pad_token_id=0)
+        assert model._zipmoe_loops[4] is first  # the cache is reused
+    finally:
+        model.zipmoe.close()

@@ -70,6 +70,7 @@ def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers
         import torch
 
         import zipmoe
+        from zipmoe.runtime.serve.loop import loop_generate
     except ImportError as exc:  # pragma: no cover
         raise ZipmoeError(f"--calibrate needs the runtime: {exc}") from None
     from zipmoe.runtime.plan.profile import load_kwargs
@@ -93,7 +94,7 @@ def _calibrate(path: Path, prompts: list[str], budget: int, device: str, workers
                 else:
                     ids = tok(prompt, return_tensors="pt")["input_ids"]
                 ids = ids.to(model.device)
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                loop_generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     finally:
         rt.stop_trace()

@@ -51,6 +51,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     import zipmoe
 
     from zipmoe.runtime.serve.counters import DecodeClock
+    from zipmoe.runtime.serve.loop import loop_generate
 
     from zipmoe.runtime.serve.loader import default_threads
     from zipmoe.runtime.plan.profile import load_kwargs
@@ -80,7 +81,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
             ids = encode(p).to(model.device)
             clock = DecodeClock(rt.counters) if timed else None
             with torch.inference_mode():
-                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
+                loop_generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
                                max_new_tokens=tokens, streamer=clock,
                                pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
             if timed:

@@ -60,7 +60,8 @@ import torch
 
 from zipmoe.errors import UsageError
 
-__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "kv_cache_bytes", "model_max_context"]
+__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "kv_cache_bytes", "loop_generate",
+           "model_max_context"]
 
 DEFAULT_CONTEXT = 4096
 
@@ -463,6 +464,48 @@ class DecodeLoop:
             "graphed": self.graphed is not None,
         }
         return res
+
+
+def loop_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, min_new_tokens: int = 0,
+                  do_sample: bool = False, streamer=None, pad_token_id=None, **generation_kwargs) -> torch.Tensor:
+    """``model.generate(...)``'s common keywords on the decode loop: the sequences ``[batch,
+    prompt + new]`` (finished rows padded), the streamer fed as ``generate`` feeds it (the
+    prompt, then each step's new ids, then ``end()``). The loop (and its cache) is kept on the
+    model per batch size and reused while the context it needs fits; for the planner's and
+    tools' served passes, which then time what serving runs. Encoder-decoder models run
+    ``model.generate`` itself."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        kw = dict(generation_kwargs)
+        if pad_token_id is not None:
+            kw["pad_token_id"] = pad_token_id
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                              min_new_tokens=min_new_tokens, do_sample=do_sample, streamer=streamer, **kw)
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids[None]
+    batch, need = int(ids.shape[0]), int(ids.shape[1]) + int(max_new_tokens)
+    loops = model.__dict__.setdefault("_zipmoe_loops", {})
+    loop = loops.get(batch)
+    if loop is None or loop.context < need:
+        loops.pop(batch, None)
+        loop = DecodeLoop(model, context=max(256, -(-need // 256) * 256), batch=batch)
+        loops[batch] = loop
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    kw = dict(generation_kwargs)
+    if pad_token_id is not None:
+        kw["pad_token_id"] = pad_token_id
+    on_token = (lambda host: streamer.put(torch.tensor(host))) if streamer is not None else None
+    res = loop.generate(ids, attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                        do_sample=do_sample, on_token=on_token, generation_kwargs=kw)
+    if streamer is not None:
+        streamer.end()
+    if res.interrupted:
+        raise KeyboardInterrupt
+    width = max(len(t) for t in res.tokens)
+    pad = int(pad_token_id if pad_token_id is not None else (_eos_ids(loop.generation_config()) or [0])[0])
+    new = torch.tensor([t + [pad] * (width - len(t)) for t in res.tokens], dtype=torch.long)
+    return torch.cat([ids.cpu(), new], dim=-1).to(ids.device)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
