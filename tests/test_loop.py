@@ -291,3 +291,68 @@ def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
         assert model._zipmoe_loops[4] is first  # the cache is reused
     finally:
         model.zipmoe.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
+    """On CUDA the loop's steps replay the CUDA graphs where runtime/serve/graphs.py supports the
+    model (warm-up, capture, then replays: three requests), bits equal to transformers."""
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src, "cuda")
+    req = requirements(path, workers=1, device="cuda")
+    ids = torch.randint(3, _vocab(src), (batch, 9), generator=torch.Generator().manual_seed(batch)).cuda()
+    want = _ref_generate(ref, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1)
+    try:
+        loop = DecodeLoop(model, context=CONTEXT, batch=batch, graphs="auto")
+        try:
+            from zipmoe.runtime.serve import graphs
+        except ImportError:
+            graphs = None
+        if graphs is not None and graphs.supported(model, batch):
+            assert loop.graphed is not None
+        for attempt in range(3):
+            res = loop.generate(ids, max_new_tokens=6, do_sample=False, keep_logits=True,
+                                generation_kwargs={"pad_token_id": 0})
+            _check(res, want, ids.shape[1], f"{family} batch {batch} graphed={loop.graphed is not None} #{attempt}")
+    finally:
+        model.zipmoe.close()
+
+
+def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
+    """The contract with graphs.GraphedStep, with a stand-in that runs the eager forward the way
+    the graphs capture it (no position ids, [batch, 1, vocab] logits): every unpadded step goes
+    through it with the cache position of the new token, a padded batch's steps do not, and
+    the logits stay those of the reference."""
+    src, path = container(tmp_path_factory, "olmoe")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+
+    class StandIn:
+        def __init__(self, loop):
+            self.loop, self.calls = loop, 0
+
+        def __call__(self, input_ids, cache_position, attention_mask=None):
+            assert attention_mask is None and input_ids.shape == (self.loop.batch, 1)
+            assert int(cache_position.reshape(-1)[-1]) == self.loop.length
+            self.calls += 1
+            return model(input_ids=input_ids, cache=self.loop.cache, use_cache=True).logits
+
+    try:
+        for b, padded in ((1, False), (4, False), (4, True)):
+            batch = inputs(_vocab(src), False, batch=b, seed=11)
+            if not padded:
+                batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            want = _ref_generate(ref, batch, 5)
+            loop = DecodeLoop(model, context=CONTEXT, batch=b)
+            loop.graphed = StandIn(loop)
+            res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=5, do_sample=False,
+                                keep_logits=True, generation_kwargs={"pad_token_id": 0})
+            _check(res, want, batch["input_ids"].shape[1], f"batch {b} padded={padded}")
+            assert loop.graphed.calls == (0 if padded else 4)
+    finally:
+        model.zipmoe.close()

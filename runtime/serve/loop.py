@@ -26,28 +26,29 @@ query see them) and prefills only the rest. At least one token is always fed, so
 the cache holds entirely recomputes its last token. A prompt plus answer that does not fit the
 cache raises :class:`ContextFull` (a :class:`zipmoe.errors.UsageError`: one line for the user).
 
-The interface to the CUDA graphs (``runtime/serve/graphs.py``, written beside this module):
+The interface to the CUDA graphs (``runtime/serve/graphs.py``, by the CUDA side):
 
 - ``graphs.supported(model, batch: int) -> bool``: whether a graphed step exists for this model
-  on this device at this batch size (CUDA, batch 1 and 4 at least). Never raises.
-- ``graphs.GraphedStep(model, cache, *, batch: int, context: int)``: built once per loop after
-  the cache is allocated (``cache`` is this loop's ``StaticCache``, its tensors already made and
-  never reallocated). Calling it as ``step(input_ids, position_ids, attention_mask) -> logits``
-  runs exactly what :meth:`DecodeLoop.forward` runs for one new token per row: ``input_ids`` and
-  ``position_ids`` are ``[batch, 1]`` int64 on the model's device, ``attention_mask`` is None
-  (no padding) or the ``[batch, kv_length]`` int64 2-D mask of every position so far including
-  the new one (``kv_length`` = the cache's length before the step + 1), and it returns the
-  ``[batch, vocab]`` logits of the new position in the model's dtype, ``torch.equal`` to the
-  eager forward, with the cache updated in place by one position (its ``cumulative_length``
-  advanced by 1, as ``StaticLayer.update`` does). It may keep its own static input buffers; the
-  loop does not reuse the tensors it passes after the call returns.
+  on this device at this batch size. Never raises.
+- ``graphs.GraphedStep(model, cache, batch=batch)``: built once per loop after the cache is
+  allocated (``cache`` is this loop's ``StaticCache``, its tensors made once and never
+  reallocated; crops and resets move its device-side ``cumulative_length`` in place).
+  ``step(input_ids, cache_position, attention_mask=None) -> logits`` runs one new token per
+  row: ``input_ids`` ``[batch, 1]`` int64 on the model's device, ``cache_position`` a 1-element
+  int64 tensor, the position in the cache the new token goes to (``loop.length``), and
+  ``attention_mask`` None (the loop passes graphs only steps without padding; a padded batch's
+  steps run eagerly, since their position ids come from the mask as ``generate`` makes them).
+  It returns the logits of the new position (``[batch, vocab]`` or ``[batch, 1, vocab]``),
+  ``torch.equal`` to the eager :meth:`DecodeLoop.forward`, with the cache updated in place by
+  one position, as the eager forward updates it.
 - The loop uses it for :meth:`step` only (prefill stays eager), when ``graphs`` is ``True`` or
   ``"auto"``, the device is CUDA and ``supported`` says yes; ``graphs=True`` where it is not
   available raises a UsageError, ``"auto"`` falls back to the eager forward silently, and
   ``loop.graphed`` tells which one runs. Without ``graphs.py`` everything works eagerly.
 
 (transformers 5 has no ``cache_position`` argument any more: the static cache keeps its own
-length, which is why the hook takes position ids and the mask rather than cache positions.)
+length, so the eager :meth:`forward` takes position ids and the mask; ``cache_position`` is
+only what the graphed step is told about where the token goes.)
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class DecodeLoop:
             except Exception:
                 ok = False
         if ok:
-            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch, context=self.context)
+            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch)
         elif want:
             raise UsageError(f"CUDA graphs are not available for this model at batch {self.batch} on {self.device} "
                              "(use graphs='auto' to fall back to eager steps)")
@@ -253,8 +254,11 @@ class DecodeLoop:
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, single: bool) -> torch.Tensor:
         try:
-            if single and self.graphed is not None:
-                logits = self.graphed(ids, pos, mask)
+            if single and self.graphed is not None and mask is None:
+                where = torch.tensor([self.length], dtype=torch.long, device=self.device)
+                logits = self.graphed(ids, where, None)
+                if logits.ndim == 3:
+                    logits = logits[:, -1]
             else:
                 logits = self.forward(ids, pos, mask)
         except BaseException:  # Ctrl-C or an error mid-forward: some layers were updated, others not
@@ -289,7 +293,8 @@ class DecodeLoop:
         if reuse:
             if padded or self.batch != 1:
                 raise UsageError("reusing the cache needs one row without padding")
-            keep = _common_prefix(self.tokens[0], ids[0].tolist())
+            # a cache filled from a padded prompt is not reused (its positions are not 0..n-1)
+            keep = _common_prefix(self.tokens[0], ids[0].tolist()) if self._mask is None else 0
             keep = min(keep, n - 1)  # always compute at least the last token: its logits start the answer
         if n > self.context:
             raise ContextFull(f"the conversation is {n} tokens; the KV cache holds {self.context} "
