@@ -324,7 +324,7 @@ def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
 
 def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
     """The contract with graphs.GraphedStep, with a stand-in that runs the eager forward the way
-    the graphs capture it (no position ids, [batch, 1, vocab] logits): every unpadded step goes
+    the graphs capture it (no position ids, a [batch, context] mask, [batch, 1, vocab] logits): every unpadded step goes
     through it with the cache position of the new token, a padded batch's steps do not, and
     the logits stay those of the reference."""
     src, path = container(tmp_path_factory, "olmoe")
@@ -340,7 +340,10 @@ def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
             assert attention_mask is None and input_ids.shape == (self.loop.batch, 1)
             assert int(cache_position.reshape(-1)[-1]) == self.loop.length
             self.calls += 1
-            return model(input_ids=input_ids, cache=self.loop.cache, use_cache=True).logits
+            # as graphs.GraphedStep runs it: the [batch, context] mask of the positions so far
+            ctx = self.loop.cache.layers[0].max_cache_len
+            row = (torch.arange(ctx) <= int(cache_position.reshape(-1)[-1])).long()[None].expand(self.loop.batch, -1)
+            return model(input_ids=input_ids, attention_mask=row, cache=self.loop.cache, use_cache=True).logits
 
     try:
         for b, padded in ((1, False), (4, False), (4, True)):
