@@ -54,6 +54,7 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     run = next(r for d in doc["results"] if d["engine"] == "zipmoe" and d.get("ok") for r in d["runs"])
     assert sum(run["counters"]["hits"].values()) > 0 and len(run["tokens"]) == 2
     assert run["bytes_read_engine"] is not None
+    assert run["decode_loop"] and run["context"] == 256 and run["stop"] == "max_new_tokens"
     assert any(x["engine"] == "zipmoe" and x["baseline"] == "accelerate" and x["tpot_x"] for x in doc["ratios"])
     assert doc["disk_bw"]["bytes_per_s"] > 0
     assert doc["cold_mode"] == "fadvise"  # --cold-method fadvise: never drop_caches, even as root
@@ -61,8 +62,10 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     if doc["cgroup"]["usable"]:
         res = next(d for d in doc["results"] if d["engine"] == "zipmoe")
         stats = res["cgroup_stats"]
-        # tightened by the worker to budget + its measured baseline + margin
-        assert stats["limit_bytes"] == (2 << 20) + res["process_base_rss_bytes"] + doc["cgroup"]["slack_bytes"]
+        # tightened by the worker to budget + its measured baseline + margin + the KV cache (on top of the budget)
+        assert res["kv_allowance_bytes"] == run["kv_bytes"] > 0  # batch 2 x 256 positions (the model's limit)
+        assert stats["limit_bytes"] == ((2 << 20) + res["process_base_rss_bytes"] + doc["cgroup"]["slack_bytes"]
+                                        + res["kv_allowance_bytes"])
         assert stats["peak_bytes"] <= stats["limit_bytes"]
     assert not any(p.name.startswith("zipmoe-bench-") for p in _cgroup_children(doc))
 

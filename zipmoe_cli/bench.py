@@ -88,6 +88,7 @@ def bench(
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),
     time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
+    context: int = typer.Option(4096, "--context", help="The zipmoe engines' KV cache in tokens (clamped to the model's max_position_embeddings); on the CPU its bytes are added to the cgroup on top of the budget."),
     threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
     cold_method: str = typer.Option("auto", "--cold-method", help="How cold runs empty the page cache: auto (drop_caches where permitted, else fadvise), drop_caches, or fadvise (POSIX_FADV_DONTNEED on the engine's files only)."),
@@ -130,6 +131,8 @@ def bench(
             raise UsageError("--cold-method drop_caches needs write access to /proc/sys/vm/drop_caches (root); use fadvise")
     if cgroup_move_to_leaf and no_cgroup:
         raise UsageError("--cgroup-move-to-leaf and --no-cgroup contradict each other: give one of them")
+    if context < 2:
+        raise UsageError("--context must be at least 2 tokens")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
     if min_tokens < 1:
@@ -147,7 +150,7 @@ def bench(
         prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
-        disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
+        context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
     )
     from rich.console import Console
 

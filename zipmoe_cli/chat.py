@@ -2,9 +2,15 @@
 
 Interactive by default (the model's chat template, multi-turn history, tokens streamed;
 ``/reset``, ``/stats``, ``/exit``; Ctrl-C stops the current answer and keeps the conversation).
-``--prompt TEXT`` answers one turn and exits; with ``--json`` it prints one JSON document
-(``token_ids``, ``text``, ``stats``). The work is done by :func:`zipmoe.runtime.serve.loader.load` and
-:func:`zipmoe.runtime.serve.generate.generate_turn`.
+The conversation's KV cache (a static cache of ``--context`` positions, allocated once at load)
+is kept across turns: a new turn prefills only the tokens after the longest common prefix of
+what the cache holds and the newly rendered conversation; ``/reset`` drops it; a conversation
+longer than the cache is one line, not a crash.
+``--prompt TEXT`` (repeatable: the turns run in order in one conversation) answers and exits;
+with ``--json`` one ``--prompt`` prints one JSON document (``token_ids``, ``text``, ``stats``,
+``interrupted``) and several print ``{"turns": [{"token_ids", "text", "stats", "interrupted"}, ...]}``.
+The work is done by :func:`zipmoe.runtime.serve.loader.load`,
+:class:`zipmoe.runtime.serve.loop.DecodeLoop` and :func:`zipmoe.runtime.serve.generate.generate_turn`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ def _mb(n) -> str:
 def stats_line(s: dict) -> str:
     parts = []
     if s.get("ttft_s") is not None:
-        parts.append(f"ttft {s['ttft_s']:.2f} s")
+        pre = s.get("prefill_tokens")
+        reused = (s.get("prompt_tokens") or 0) - (pre or 0)
+        extra = f" ({pre} prompt tokens computed, {reused} from the cache)" if pre is not None and reused > 0 else ""
+        parts.append(f"ttft {s['ttft_s']:.2f} s{extra}")
     if s.get("tpot_s") is not None:
         parts.append(f"tpot {s['tpot_s'] * 1000:.0f} ms")
     parts.append(f"{s.get('tokens_per_s', 0.0):.1f} tok/s")
@@ -83,8 +92,9 @@ def chat(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling (default: the model's)."),
     greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (deterministic)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Answer this one message and exit."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Answer this message and exit; repeat for several turns of one conversation."),
     as_json: bool = typer.Option(False, "--json", help="With --prompt: print one JSON document."),
+    context: int = typer.Option(4096, "--context", help="KV cache length in tokens (clamped to the model's max_position_embeddings); it comes on top of --budget."),
     trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Record the experts chosen per layer per token (JSON lines)."),
     workers: int = typer.Option(0, "--workers", help="Decompression threads (default: half the cores)."),
     threads: int = typer.Option(0, "--threads", help="Torch threads (default: the cores the workers leave)."),
@@ -98,9 +108,11 @@ def chat(
     from zipmoe.runtime.serve.generate import chat_inputs, generate_turn
     from zipmoe.machine import decode_workers, torch_threads
     from zipmoe.runtime.serve.loader import load
-    from zipmoe.units import parse_size
+    from zipmoe.runtime.serve.loop import ContextFull, DecodeLoop
+    from zipmoe.units import format_size, parse_size
 
-    if as_json and prompt is None:
+    prompts = list(prompt or [])
+    if as_json and not prompts:
         raise UsageError("--json needs --prompt (one turn, one JSON document)")
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
@@ -108,12 +120,14 @@ def chat(
         raise UsageError("--temperature must be 0 or more")
     if top_p is not None and not 0 < top_p <= 1:
         raise UsageError("--top-p must be in (0, 1]")
+    if context < 2:
+        raise UsageError("--context must be at least 2 tokens")
     if workers < 0 or threads < 0:
         raise UsageError("--workers and --threads must be at least 1")
     budget_bytes = parse_size(budget)
     workers = workers or decode_workers()
     threads = threads or torch_threads(workers)
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Console(highlight=False, soft_wrap=True)
     quiet = as_json
 
@@ -125,8 +139,20 @@ def chat(
     if tokenizer is None:
         rt.close()
         raise UsageError(f"{file} has no tokenizer files: chat needs one (use zipmoe.load and token ids)")
+    loop = None
+    try:
+        if not getattr(model.config, "is_encoder_decoder", False):
+            loop = DecodeLoop(model, context=context, batch=1)
+    except BaseException:
+        rt.close()
+        raise
     if not quiet:
         err.print(_describe(model, threads), style="dim", markup=False)
+        if loop is not None:
+            kv = format_size(loop.kv_bytes) if loop.kv_bytes is not None else "allocated at the first turn"
+            note = (f" (asked for {context}; the model's limit is {loop.context})" if loop.clamped else "")
+            err.print(f"KV cache: {loop.context} tokens{note}, {kv} on top of the budget", style="dim", markup=False,
+                      soft_wrap=True)
     base = [{"role": "system", "content": system}] if system else []
 
     def turn(messages, stream: bool):
@@ -136,17 +162,34 @@ def chat(
             out.print(t, end="", markup=False)
 
         return generate_turn(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
-                             temperature=temperature, top_p=top_p, seed=seed, on_text=on_text if stream else None)
+                             temperature=temperature, top_p=top_p, seed=seed, on_text=on_text if stream else None,
+                             loop=loop, reuse=loop is not None)
+
+    def note_of(res) -> str:
+        if res.interrupted:
+            return " (stopped)"
+        if res.stats.get("stop") == "context":
+            return f" (the KV cache is full at {loop.context} tokens: /reset, or a larger --context)"
+        return ""
 
     try:
-        if prompt is not None:
-            res = turn(base + [{"role": "user", "content": prompt}], stream=not as_json)
+        if prompts:
+            history = list(base)
+            turns = []
+            for text in prompts:
+                history.append({"role": "user", "content": text})
+                res = turn(history, stream=not as_json)
+                history.append({"role": "assistant", "content": res.text})
+                turns.append({"token_ids": res.token_ids, "text": res.text, "stats": res.stats,
+                              "interrupted": res.interrupted})
+                if not as_json:
+                    out.print()
+                    err.print(stats_line(res.stats) + note_of(res), style="dim", markup=False)
+                if res.interrupted:
+                    break
             if as_json:
-                sys.stdout.write(json.dumps({"token_ids": res.token_ids, "text": res.text, "stats": res.stats,
-                                             "interrupted": res.interrupted}, indent=2) + "\n")
-            else:
-                out.print()
-                err.print(stats_line(res.stats), style="dim", markup=False)
+                doc = turns[0] if len(prompts) == 1 else {"turns": turns}
+                sys.stdout.write(json.dumps(doc, indent=2) + "\n")
             return
         err.print("[dim]/reset clears the conversation, /stats shows counters, /exit quits; "
                   "Ctrl-C stops an answer[/dim]")
@@ -164,6 +207,8 @@ def chat(
                 return
             if text == "/reset":
                 history = list(base)
+                if loop is not None:
+                    loop.reset()
                 err.print("[dim]conversation cleared[/dim]")
                 continue
             if text == "/stats":
@@ -175,6 +220,10 @@ def chat(
             history.append({"role": "user", "content": text})
             try:
                 res = turn(history, stream=True)
+            except ContextFull as exc:  # the conversation outgrew the KV cache: say so, drop the turn
+                err.print(f"zipmoe: {str(exc).splitlines()[0]}", style="red", markup=False, soft_wrap=True)
+                history.pop()
+                continue
             except ZipmoeError as exc:  # e.g. a corrupted chunk: say it, drop the turn, go on
                 out.print()
                 err.print(f"zipmoe: error: {str(exc).splitlines()[0]}", style="red", markup=False)
@@ -182,7 +231,6 @@ def chat(
                 continue
             out.print()
             history.append({"role": "assistant", "content": res.text})
-            note = " (stopped)" if res.interrupted else ""
-            err.print(stats_line(res.stats) + note, style="dim", markup=False)
+            err.print(stats_line(res.stats) + note_of(res), style="dim", markup=False)
     finally:
         rt.close()

@@ -61,6 +61,7 @@ class BenchConfig:
     cgroup_move_to_leaf: bool = False  # cgroup v2: move this cgroup's processes into a leaf child (cgroup.detect)
     cold_method: str = "auto"  # auto (drop_caches where permitted, else fadvise), drop_caches, fadvise
     cgroup_slack: int | None = None
+    context: int = 4096  # the zipmoe engines' KV cache (decode loop), on top of the budget
     disk_bw: float | None = None
     merge: bool = False
     raw_container: Path | None = None
@@ -406,8 +407,11 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
+                "context": cfg.context,
             }
-            limit = budget + START_ALLOWANCE + slack if (support.usable and budget is not None) else None
+            from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget
+
+            limit = budget + START_ALLOWANCE + slack + kv_allowance(spec) if (support.usable and budget is not None) else None
             spec["cgroup_margin"] = slack
             res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
                              (lambda: prog.advance()) if prog else (lambda: None))

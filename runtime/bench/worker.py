@@ -5,8 +5,11 @@ memory cgroup the parent made (``ZIPMOE_BENCH_CGROUP``) before importing torch, 
 engine (runtime/bench/engines.py), then for every case (batch, new tokens) and run:
 
 - cold runs empty the page cache first (runtime/bench/cold.py; the mode is recorded);
-- ``model.generate`` with greedy decoding and a fixed number of new tokens (EOS suppressed
-  with ``min_new_tokens``), a streamer stamps the time of every token and snapshots the bytes
+- greedy decoding of a fixed number of new tokens (EOS suppressed with ``min_new_tokens``):
+  the zipmoe engines run zipmoe's decode loop (runtime/serve/loop.py, a static KV cache of
+  ``spec["context"]`` positions, default 4096, allocated once per batch size; on the CPU its
+  bytes are added to the cgroup's limit, see :func:`kv_allowance`), the others
+  ``model.generate``; a streamer stamps the time of every token and snapshots the bytes
   read (``/proc/self/io`` ``read_bytes`` and the engine's counters) at the first token, so that
   prefill and decode are measured apart;
 - a stopping criterion ends a run early once ``time_limit_s`` has passed and at least
@@ -231,6 +234,50 @@ def _make_streamer_and_stop(torch, device: str, time_limit_s: float | None, min_
     return s, TimeLimit(s)
 
 
+DEFAULT_CONTEXT = 4096
+_LOOP: dict = {}
+
+
+def kv_allowance(spec: dict) -> int:
+    """Host bytes of the zipmoe engines' KV cache (the largest batch's), which comes on top of
+    the budget: 0 for other engines and on CUDA (the cache is in GPU memory there)."""
+    from zipmoe.runtime.bench import engines as bench_engines
+
+    try:
+        es = bench_engines.engine(spec["engine"])
+    except Exception:
+        return 0
+    if es.kind != "zipmoe" or spec.get("device") != "cpu":
+        return 0
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.serve.kvsize import kv_cache_bytes_upper
+
+    path = spec.get("raw_container") if es.needs == "raw_container" else spec.get("container")
+    if not path:
+        return 0
+    try:
+        with ContainerReader(path) as r:
+            cfg = r.config or {}
+    except Exception:
+        return 0
+    batch = max([len(c.get("input_ids") or [[0]]) for c in spec.get("cases") or [{}]] or [1])
+    return kv_cache_bytes_upper(cfg, batch=batch, context=int(spec.get("context") or DEFAULT_CONTEXT), itemsize=2)
+
+
+def _loop_for(model, runtime, torch, spec: dict, batch: int):
+    """The decode loop of this batch size (one at a time: a new size frees the old cache)."""
+    if runtime is None or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    cur = _LOOP.get("loop")
+    if cur is not None and cur.batch == batch:
+        return cur
+    _LOOP.clear()
+    from zipmoe.runtime.serve.loop import DecodeLoop
+
+    _LOOP["loop"] = DecodeLoop(model, context=int(spec.get("context") or DEFAULT_CONTEXT), batch=batch)
+    return _LOOP["loop"]
+
+
 def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler, cold_mode: str | None) -> dict:
     """One measured generation; returns its record."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -267,17 +314,27 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    loop = _loop_for(model, runtime, torch, spec, int(ids.shape[0]))
     t0 = time.perf_counter()
     limit.start = t0
     with torch.inference_mode():
-        out = model.generate(ids, **gen_kw)
+        if loop is not None:
+            streamer.prompt_seen = True
+            res = loop.generate(ids, mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                generation_kwargs={k: v for k, v in gen_kw.items()
+                                                   if k in ("pad_token_id", "num_beams", "temperature", "top_p", "top_k")},
+                                on_token=lambda _ids: streamer.put(None),
+                                stop_when=lambda _n: bool(limit(ids, None)[0]))
+            gen = res.tokens
+        else:
+            out = model.generate(ids, **gen_kw)
+            gen = out[:, ids.shape[1]:].tolist()
     if device == "cuda":
         torch.cuda.synchronize()
     t_end = time.perf_counter()
     io1 = read_io().get("read_bytes", 0)
     c1 = snapshot_counters(runtime)
     times = streamer.times
-    gen = out[:, ids.shape[1]:].tolist()
     ntok = len(gen[0]) if gen else 0
     ttft = (times[0] - t0) if times else None
     tpot = ((times[-1] - times[0]) / (len(times) - 1)) if len(times) >= 2 else None
@@ -298,7 +355,10 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         "peak_rss_run_bytes": sampler.window_peak,
         "cold_mode": cold_mode,
         "tokens": gen,
+        "decode_loop": loop is not None,
     }
+    if loop is not None:
+        rec.update(context=loop.context, kv_bytes=loop.kv_bytes, stop=res.stop)
     if runtime is not None:
         diff = counter_diff(c0, c1) if c0 is not None else c1
         rec["counters"] = diff
@@ -352,8 +412,10 @@ def main() -> int:
             # the limit becomes budget + what this process needs before any weight + a margin,
             # measured, so that the slack cannot hold a small model in page cache
             base = rss_bytes()
-            limit = int(spec["budget"]) + base + int(spec["cgroup_margin"])
+            kv = kv_allowance(spec)  # the KV cache comes on top of the budget
+            limit = int(spec["budget"]) + base + int(spec["cgroup_margin"]) + kv
             doc["process_base_rss_bytes"] = base
+            doc["kv_allowance_bytes"] = kv
             doc["cgroup_limit_bytes"] = limit if set_own_limit(cgroup, limit) else None
 
         cold_paths = spec.get("cold_paths") or []

@@ -71,6 +71,7 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.serve.loader import load
+    from zipmoe.runtime.serve.loop import loop_generate
 
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
                       **load_kwargs(dtype))
@@ -84,7 +85,7 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
         with torch.inference_mode():
             for prompt in prompts:
                 ids = encode(tok, prompt).to(model.device)
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                loop_generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     finally:
         rt.stop_trace()

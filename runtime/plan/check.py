@@ -43,6 +43,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     from zipmoe.runtime.plan.calibrate import encode, load_kwargs
     from zipmoe.runtime.serve.counters import DecodeClock
     from zipmoe.runtime.serve.loader import load
+    from zipmoe.runtime.serve.loop import loop_generate
 
     workers = workers or plan.get("workers") or 1
     # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the
@@ -61,7 +62,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
             ids = encode(tok, p).to(model.device)
             clock = DecodeClock(rt.counters) if timed else None
             with torch.inference_mode():
-                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
+                loop_generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
                                max_new_tokens=tokens, streamer=clock,
                                pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
             if timed:

@@ -34,11 +34,12 @@ def miss_pass(model, rt, prompt, tokens: int) -> dict:
     import torch
 
     from zipmoe.runtime.serve.counters import DecodeClock
+    from zipmoe.runtime.serve.loop import loop_generate
 
     # between two forward steps, forget every cached expert
     clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
     with torch.inference_mode():
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+        loop_generate(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
                        max_new_tokens=tokens + 1, streamer=clock)
     d = clock.delta()
     reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
@@ -72,6 +73,7 @@ def compressed_pass(model, rt, prompt, tokens: int) -> dict:
 
     from zipmoe.runtime.serve.cache import ExpertCache
     from zipmoe.runtime.serve.counters import DecodeClock
+    from zipmoe.runtime.serve.loop import loop_generate
 
     old = rt.cache
     rt.cache = ExpertCache({"compressed": old.capacity_bytes()}, demote=None)
@@ -79,9 +81,9 @@ def compressed_pass(model, rt, prompt, tokens: int) -> dict:
         kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
                   max_new_tokens=tokens + 1)
         with torch.inference_mode():
-            model.generate(prompt, **kw)
+            loop_generate(model, prompt, **kw)
             clock = DecodeClock(rt.counters)
-            model.generate(prompt, streamer=clock, **kw)
+            loop_generate(model, prompt, streamer=clock, **kw)
     finally:
         rt.cache = old
     d = clock.delta()
@@ -104,6 +106,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.plan.calibrate import load_kwargs
     from zipmoe.runtime.serve.counters import DecodeClock
+    from zipmoe.runtime.serve.loop import loop_generate
     from zipmoe.runtime.serve.loader import load
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
@@ -119,13 +122,13 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         prompt = prompt.to(model.device)
         with torch.inference_mode():
             kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=warmup, max_new_tokens=warmup)
-            model.generate(prompt, **kw)
+            loop_generate(model, prompt, **kw)
             # two timed passes, the one with the shorter median step kept: the dense time is
             # mostly the host launching kernels, which anything else on the machine slows
             best = None
             for _ in range(2):
                 clock = DecodeClock(rt.counters)
-                model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+                loop_generate(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
                                max_new_tokens=tokens + 1, streamer=clock)
                 steps = clock.steps()
                 if steps and (best is None or np.median(steps) < np.median(best[0])):

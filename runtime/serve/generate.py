@@ -2,15 +2,22 @@
 
 :func:`chat_inputs` builds the model inputs of a conversation (``[{"role", "content"}, ...]``)
 with the tokenizer's chat template (a plain ``role: text`` transcript when the tokenizer has
-none). :func:`generate_turn` runs ``model.generate`` with a streamer that timestamps every new
-token and hands the text delta to a callback; Ctrl-C (KeyboardInterrupt) stops the answer and
-the tokens so far are returned (``interrupted=True``).
+none). :func:`generate_turn` runs the turn on zipmoe's decode loop
+(:class:`zipmoe.runtime.serve.loop.DecodeLoop`, a static KV cache): pass ``loop=`` to keep the
+conversation's cache across turns (``reuse=True`` prefills only what the cache does not hold
+yet); without one, a loop sized for this turn is made. Encoder-decoder models, and
+``engine="generate"`` (the path before the loop, kept for comparison), run ``model.generate``.
+A streamer timestamps every new token and hands the text delta to a callback; Ctrl-C
+(KeyboardInterrupt) stops the answer and the tokens so far are returned (``interrupted=True``).
 
 Stats of a turn (``TurnResult.stats``, also what ``chat --json`` prints):
 ``ttft_s`` (start to first new token, the prefill), ``tpot_s`` (mean time per output token
-after the first), ``tokens_per_s`` (new tokens / total time), ``new_tokens``, ``prompt_tokens``,
-``bytes_read``, ``bytes_read_disk``, ``hits`` (per pool and ``none``), ``hit_rate`` (share of
-expert-tensor accesses served from the full pool), ``time_s`` per stage and ``peak_held_bytes``.
+after the first), ``tokens_per_s`` (new tokens / total time), ``new_tokens``, ``prompt_tokens``
+(the whole rendered prompt), ``prefill_tokens`` (tokens computed by this turn's prefill: the
+prompt less what the KV cache already held), ``stop`` (``eos``, ``max_new_tokens``,
+``context``: the KV cache is full, or ``interrupted``), ``bytes_read``, ``bytes_read_disk``,
+``hits`` (per pool and ``none``), ``hit_rate`` (share of expert-tensor accesses served from the
+full pool), ``time_s`` per stage and ``peak_held_bytes``.
 """
 
 from __future__ import annotations
@@ -97,7 +104,90 @@ def chat_inputs(tokenizer, messages: list[dict], device) -> dict:
 
 def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
                   temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                  on_text=None) -> TurnResult:
+                  on_text=None, loop=None, reuse: bool = False, engine: str = "loop") -> TurnResult:
+    """One turn. ``loop``: a :class:`DecodeLoop` to run on (its cache is kept; ``reuse`` keeps
+    the prefix it shares with this prompt). ``engine``: ``"loop"`` (default) or ``"generate"``
+    (transformers' ``model.generate`` with its dynamic cache: the path before the loop)."""
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    if engine == "generate" or seq2seq:
+        return _generate_turn_hf(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
+                                 temperature=temperature, top_p=top_p, seed=seed, on_text=on_text)
+    if engine != "loop":
+        raise ValueError(f"unknown engine {engine!r} (loop or generate)")
+    from zipmoe.runtime.serve.loop import DecodeLoop
+
+    rt = getattr(model, "zipmoe", None)
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if loop is None:
+        loop = DecodeLoop(model, context=int(ids.shape[-1]) + int(max_new_tokens), batch=int(ids.shape[0]))
+    sampling: dict = {}
+    if greedy or (temperature is not None and temperature <= 0):
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        sampling["do_sample"] = True
+        if temperature is not None:
+            sampling["temperature"] = float(temperature)
+        if top_p is not None:
+            sampling["top_p"] = float(top_p)
+    extra = {}
+    if tokenizer is not None and getattr(model.generation_config, "pad_token_id", None) is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is not None:
+            extra["pad_token_id"] = pad
+    streamer = _Streamer(tokenizer, on_text)
+    streamer._prompt_seen = True
+
+    def on_token(host):
+        streamer.put(torch.tensor(host[:1]))
+
+    before = rt.counters.snapshot() if rt is not None else None
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res = loop.generate(ids, mask, max_new_tokens=int(max_new_tokens), seed=seed, reuse=reuse,
+                            on_token=on_token, generation_kwargs=extra, **sampling)
+    streamer.end()
+    t_end = time.perf_counter()
+    if rt is not None:
+        rt.end_step()
+    ids_out = res.tokens[0]
+    n = len(ids_out)
+    stats = {
+        "ttft_s": res.stats["ttft_s"],
+        "tpot_s": res.stats["tpot_s"],
+        "tokens_per_s": (n / (t_end - t0)) if n and t_end > t0 else 0.0,
+        "new_tokens": n,
+        "prompt_tokens": int(ids.shape[-1]),
+        "prefill_tokens": res.stats["prefill_tokens"],
+        "total_s": t_end - t0,
+        "stop": res.stop,
+        "context": loop.context,
+    }
+    _add_counters(stats, rt, before)
+    text = tokenizer.decode(ids_out, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids_out))
+    return TurnResult(ids_out, text, stats, res.interrupted, res.times)
+
+
+def _add_counters(stats: dict, rt, before) -> None:
+    if rt is None:
+        return
+    d = delta(rt.counters.snapshot(), before)
+    total = sum(d["hits"].values())
+    stats.update({
+        "bytes_read": d["bytes_read"],
+        "bytes_read_disk": d["bytes_read_disk"],
+        "hits": d["hits"],
+        "hit_rate": (d["hits"]["full"] / total) if total else None,
+        "time_s": d["time_s"],
+        "peak_held_bytes": rt.counters.peak_held_bytes,
+        "budget": rt.budget,
+    })
+
+
+def _generate_turn_hf(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
+                      temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                      on_text=None) -> TurnResult:
+    """The turn on ``model.generate`` (transformers' loop and dynamic cache)."""
     rt = getattr(model, "zipmoe", None)
     if seed is not None:
         torch.manual_seed(seed)
@@ -137,17 +227,8 @@ def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, 
         "new_tokens": n,
         "prompt_tokens": int(inputs["input_ids"].shape[-1]),
         "total_s": t_end - t0,
+        "prefill_tokens": int(inputs["input_ids"].shape[-1]),
+        "stop": "interrupted" if interrupted else ("max_new_tokens" if n >= int(max_new_tokens) else "eos"),
     }
-    if rt is not None:
-        d = delta(rt.counters.snapshot(), before)
-        total = sum(d["hits"].values())
-        stats.update({
-            "bytes_read": d["bytes_read"],
-            "bytes_read_disk": d["bytes_read_disk"],
-            "hits": d["hits"],
-            "hit_rate": (d["hits"]["full"] / total) if total else None,
-            "time_s": d["time_s"],
-            "peak_held_bytes": rt.counters.peak_held_bytes,
-            "budget": rt.budget,
-        })
+    _add_counters(stats, rt, before)
     return TurnResult(streamer.ids, streamer.text(), stats, interrupted, streamer.times)

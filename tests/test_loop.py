@@ -1,0 +1,361 @@
+"""zipmoe's decode loop (runtime/serve/loop.py): logits ``torch.equal`` to transformers.
+
+The reference is the source checkpoint in transformers with eager experts, generating with a
+``StaticCache`` of the same length (the same cache implementation: a dynamic cache, or a static
+one of another length, changes the attention's bits). Every decoder-only family, batch 1 and
+4 (left padding), at budgets from every expert resident to the smallest, several decode
+steps; multi-turn reuse of the cache against transformers carrying its own cache over the same
+way (crop to the common prefix, feed the rest). The same tests run on CUDA with ``-m gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import zipmoe
+from zipmoe.errors import UsageError
+from zipmoe.runtime.serve.loader import requirements
+from zipmoe.runtime.serve.loop import ContextFull, DecodeLoop, kv_cache_bytes
+
+from test_runtime_fixtures import FAMILIES, container, inputs, reference
+
+DECODERS = [f for f in FAMILIES if f != "switch_transformers"]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+CONTEXT = 48
+STEPS = 5
+
+
+def _vocab(src) -> int:
+    return json.loads((src / "config.json").read_text())["vocab_size"]
+
+
+def _ref_generate(ref, batch: dict, steps: int, context: int = CONTEXT, cache=None, **kw):
+    from transformers import StaticCache
+
+    cache = cache if cache is not None else StaticCache(config=ref.config, max_cache_len=context)
+    args = dict(max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=0)
+    args.update(kw)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ref.generate(**batch, cache=cache, **args)
+
+
+def _check(loop_res, ref_out, prompt_len: int, what: str) -> None:
+    assert len(loop_res.logits) == len(ref_out.logits), what
+    for step, (a, b) in enumerate(zip(ref_out.logits, loop_res.logits)):
+        assert torch.equal(a, b), f"{what}: logits differ at step {step}"
+    want = ref_out.sequences[:, prompt_len:].tolist()
+    assert [row[: len(w)] for row, w in zip(loop_res.tokens, want)] == [w[: len(r)] for r, w in zip(loop_res.tokens, want)]
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", DECODERS)
+def test_loop_logits_equal_transformers_static_cache(tmp_path_factory, refs, family, device):
+    src, path = container(tmp_path_factory, family)
+    if (family, device) not in refs:
+        refs[(family, device)] = reference(src, device)
+    ref = refs[(family, device)]
+    vocab = _vocab(src)
+    batches = {1: inputs(vocab, False, device, batch=1, seed=1), 4: inputs(vocab, False, device, batch=4)}
+    want = {b: _ref_generate(ref, batch, STEPS) for b, batch in batches.items()}
+    req = requirements(path, workers=1, device=device)
+    for which, budget in (("resident", req["budget_for"](1.0)), ("half", req["budget_for"](0.5)),
+                          ("min", req["min_budget"])):
+        model, _ = zipmoe.load(path, budget=budget, device=device, workers=1)
+        try:
+            for b, batch in batches.items():
+                loop = DecodeLoop(model, context=CONTEXT, batch=b)
+                assert loop.kv_bytes == kv_cache_bytes(model.config, batch=b, context=CONTEXT, dtype=model.dtype) > 0
+                for attempt in range(2):  # the cache is reused: a second request gives the same bits
+                    res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=STEPS,
+                                        do_sample=False, keep_logits=True, generation_kwargs={"pad_token_id": 0})
+                    _check(res, want[b], batch["input_ids"].shape[1], f"{family} batch {b} budget {which} #{attempt}")
+                    assert res.stats["prefill_tokens"] == batch["input_ids"].shape[1]
+                    assert res.stats["steps"] == STEPS - 1
+            assert model.zipmoe.counters.peak_held_bytes <= budget
+            if which == "min":
+                assert model.zipmoe.counters.hits["none"] > 0
+        finally:
+            model.zipmoe.close()
+
+
+def _lcp(a, b) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
+def test_turns_reuse_the_common_prefix(tmp_path_factory, family):
+    """Three turns on one cache: each prefills only the part after the common prefix, and its
+    logits equal transformers carrying its own static cache over the same way."""
+    from transformers import StaticCache
+
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src)
+    vocab = _vocab(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    loop = DecodeLoop(model, context=CONTEXT, batch=1)
+    ref_cache = StaticCache(config=ref.config, max_cache_len=CONTEXT)
+    g = torch.Generator().manual_seed(7)
+    conv: list[int] = torch.randint(3, vocab, (8,), generator=g).tolist()
+    ref_held: list[int] = []
+    try:
+        for turn in range(3):
+            ids = torch.tensor([conv])
+            res = loop.generate(ids, max_new_tokens=4, do_sample=False, keep_logits=True, reuse=True,
+                                generation_kwargs={"pad_token_id": 0})
+            keep = min(_lcp(ref_held, conv), len(conv) - 1)
+            length = int(ref_cache.get_seq_length())
+            if length > keep:
+                ref_cache.crop(-(length - keep))
+            want = _ref_generate(ref, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 4, cache=ref_cache)
+            _check(res, want, len(conv), f"{family} turn {turn + 1}")
+            assert res.stats["prefill_tokens"] == len(conv) - keep
+            if turn:
+                assert res.stats["prefill_tokens"] < len(conv)
+            new = want.sequences[0, len(conv):].tolist()
+            ref_held = (conv + new)[: int(ref_cache.get_seq_length())]
+            assert loop.tokens[0] == (conv + new)[: loop.length]
+            # the next turn: this answer less its last token (as a re-rendered template might) and new user ids
+            conv = conv + new[:-1] + torch.randint(3, vocab, (5,), generator=g).tolist()
+        # a prompt the cache holds entirely recomputes its last token only
+        held = loop.tokens[0][:]
+        res = loop.generate(torch.tensor([held]), max_new_tokens=1, do_sample=False, reuse=True)
+        assert res.stats["prefill_tokens"] == 1
+        loop.reset()
+        assert loop.length == 0
+        res = loop.generate(torch.tensor([held[:6]]), max_new_tokens=1, reuse=True, do_sample=False)
+        assert res.stats["prefill_tokens"] == 6
+    finally:
+        model.zipmoe.close()
+
+
+def test_context_limits_and_options(tmp_path_factory):
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    try:
+        big = DecodeLoop(model, context=10**6)
+        limit = model.config.max_position_embeddings
+        assert big.clamped and big.context == limit and big.requested_context == 10**6
+        loop = DecodeLoop(model, context=12)
+        with pytest.raises(ContextFull, match="KV cache holds 12"):
+            loop.prefill(torch.arange(3, 16)[None])
+        res = loop.generate(torch.arange(3, 11)[None], max_new_tokens=20, do_sample=False,
+                            generation_kwargs={"pad_token_id": 0})
+        assert res.stop == "context" and loop.length == 12 and len(res.tokens[0]) == 5
+        with pytest.raises(ContextFull):
+            loop.step([5])
+        with pytest.raises(UsageError):
+            DecodeLoop(model, context=1)
+        with pytest.raises(UsageError, match="rows"):
+            loop.prefill(torch.ones((2, 3), dtype=torch.long))
+        with pytest.raises(UsageError, match="CUDA graphs"):
+            DecodeLoop(model, context=12, graphs=True)
+        assert DecodeLoop(model, context=12, graphs="auto").graphed is None
+
+        class Counting(DecodeLoop):
+            calls = 0
+
+            def forward(self, input_ids, position_ids, attention_mask=None):
+                Counting.calls += 1
+                return super().forward(input_ids, position_ids, attention_mask)
+
+        c = Counting(model, context=16)
+        c.generate(torch.arange(3, 8)[None], max_new_tokens=4, do_sample=False, generation_kwargs={"pad_token_id": 0})
+        assert Counting.calls == 4  # the prefill and three steps, every one through forward()
+    finally:
+        model.zipmoe.close()
+
+
+def test_sampling_matches_generate_with_the_same_seed(tmp_path_factory):
+    src, path = container(tmp_path_factory, "olmoe")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    batch = inputs(_vocab(src), False, batch=4, seed=3)
+    try:
+        loop = DecodeLoop(model, context=CONTEXT, batch=4)
+        for seed in (0, 1):
+            res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6, do_sample=True,
+                                temperature=0.7, top_p=0.9, top_k=20, seed=seed, keep_logits=True,
+                                generation_kwargs={"pad_token_id": 0})
+            torch.manual_seed(seed)
+            want = _ref_generate(ref, batch, 6, do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+            _check(res, want, batch["input_ids"].shape[1], f"sampling seed {seed}")
+    finally:
+        model.zipmoe.close()
+
+
+def test_interrupt_keeps_the_cache_consistent(tmp_path_factory):
+    src, path = container(tmp_path_factory, "qwen3_moe")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["min_budget"], workers=1)
+    ids = torch.arange(5, 15)[None]
+    try:
+        loop = DecodeLoop(model, context=CONTEXT)
+        want = loop.generate(ids, max_new_tokens=6, do_sample=False, keep_logits=True,
+                             generation_kwargs={"pad_token_id": 0})
+        seen = []
+
+        def stop_after_two(host):
+            seen.append(host)
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+
+        res = loop.generate(ids, max_new_tokens=6, do_sample=False, on_token=stop_after_two,
+                            generation_kwargs={"pad_token_id": 0})
+        assert res.interrupted and res.stop == "interrupted" and len(res.tokens[0]) == 2
+        assert model.zipmoe._inflight == 0
+        again = loop.generate(ids, max_new_tokens=6, do_sample=False, keep_logits=True, reuse=True,
+                              generation_kwargs={"pad_token_id": 0})
+        assert again.tokens == want.tokens
+        assert all(torch.equal(a, b) for a, b in zip(again.logits, want.logits))
+    finally:
+        model.zipmoe.close()
+
+
+def test_encoder_decoder_is_refused_with_one_line(tmp_path_factory):
+    _, path = container(tmp_path_factory, "switch_transformers")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    try:
+        with pytest.raises(UsageError, match="encoder-decoder"):
+            DecodeLoop(model)
+    finally:
+        model.zipmoe.close()
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, family):
+    from zipmoe.runtime.serve.kvsize import kv_cache_bytes_upper
+
+    src, path = container(tmp_path_factory, family)
+    cfg = json.loads((src / "config.json").read_text())
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    try:
+        for b in (1, 4):
+            loop = DecodeLoop(model, context=40, batch=b)
+            est = kv_cache_bytes_upper(cfg, batch=b, context=40, itemsize=2)
+            assert loop.kv_bytes == loop._allocated_bytes() and 0 < loop.kv_bytes <= est
+            if not cfg.get("sliding_window"):
+                assert loop.kv_bytes == est
+    finally:
+        model.zipmoe.close()
+
+
+def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
+    """The planner's served passes call loop_generate as they called model.generate: same
+    sequences as transformers with a static cache, the streamer fed the prompt then each token."""
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    from zipmoe.runtime.serve.loop import loop_generate
+
+    class Stream:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, v):
+            self.puts.append(v.tolist())
+
+        def end(self):
+            self.ended = True
+
+    batch = inputs(_vocab(src), False, batch=4, seed=5)
+    try:
+        s = Stream()
+        got = loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=4, min_new_tokens=4,
+                            streamer=s, pad_token_id=0)
+        want = _ref_generate(ref, batch, 4, context=model._zipmoe_loops[4].context, min_new_tokens=4)
+        assert torch.equal(got, want.sequences)
+        assert s.puts[0] == batch["input_ids"].tolist() and len(s.puts) == 5 and s.ended
+        first = model._zipmoe_loops[4]
+        loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=2, pad_token_id=0)
+        assert model._zipmoe_loops[4] is first  # the cache is reused
+    finally:
+        model.zipmoe.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
+    """On CUDA the loop's steps replay the CUDA graphs where runtime/serve/graphs.py supports the
+    model (warm-up, capture, then replays: three requests), bits equal to transformers."""
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src, "cuda")
+    req = requirements(path, workers=1, device="cuda")
+    ids = torch.randint(3, _vocab(src), (batch, 9), generator=torch.Generator().manual_seed(batch)).cuda()
+    want = _ref_generate(ref, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 6)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1)
+    try:
+        loop = DecodeLoop(model, context=CONTEXT, batch=batch, graphs="auto")
+        try:
+            from zipmoe.runtime.serve import graphs
+        except ImportError:
+            graphs = None
+        if graphs is not None and graphs.supported(model, batch):
+            assert loop.graphed is not None
+        for attempt in range(3):
+            res = loop.generate(ids, max_new_tokens=6, do_sample=False, keep_logits=True,
+                                generation_kwargs={"pad_token_id": 0})
+            _check(res, want, ids.shape[1], f"{family} batch {batch} graphed={loop.graphed is not None} #{attempt}")
+    finally:
+        model.zipmoe.close()
+
+
+def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
+    """The contract with graphs.GraphedStep, with a stand-in that runs the eager forward the way
+    the graphs capture it (no position ids, a [batch, context] mask, [batch, 1, vocab] logits): every unpadded step goes
+    through it with the cache position of the new token, a padded batch's steps do not, and
+    the logits stay those of the reference."""
+    src, path = container(tmp_path_factory, "olmoe")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+
+    class StandIn:
+        def __init__(self, loop):
+            self.loop, self.calls = loop, 0
+
+        def __call__(self, input_ids, cache_position, attention_mask=None):
+            assert attention_mask is None and input_ids.shape == (self.loop.batch, 1)
+            assert int(cache_position.reshape(-1)[-1]) == self.loop.length
+            self.calls += 1
+            # as graphs.GraphedStep runs it: the [batch, context] mask of the positions so far
+            ctx = self.loop.cache.layers[0].max_cache_len
+            row = (torch.arange(ctx) <= int(cache_position.reshape(-1)[-1])).long()[None].expand(self.loop.batch, -1)
+            return model(input_ids=input_ids, attention_mask=row, cache=self.loop.cache, use_cache=True).logits
+
+    try:
+        for b, padded in ((1, False), (4, False), (4, True)):
+            batch = inputs(_vocab(src), False, batch=b, seed=11)
+            if not padded:
+                batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            want = _ref_generate(ref, batch, 5)
+            loop = DecodeLoop(model, context=CONTEXT, batch=b)
+            loop.graphed = StandIn(loop)
+            res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=5, do_sample=False,
+                                keep_logits=True, generation_kwargs={"pad_token_id": 0})
+            _check(res, want, batch["input_ids"].shape[1], f"batch {b} padded={padded}")
+            assert loop.graphed.calls == (0 if padded else 4)
+    finally:
+        model.zipmoe.close()
