@@ -111,6 +111,9 @@ def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    hook = getattr(self, "_zipmoe_break", None)
+    if hook is not None:  # a CUDA graph capture breaks here (serve/graphs.py)
+        return hook(self, hidden_states, top_k_index, top_k_weights)
     rt = self._zipmoe_runtime
     layer = self._zipmoe_layer
     final_hidden_states = torch.zeros_like(hidden_states)

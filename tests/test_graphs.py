@@ -1,0 +1,220 @@
+"""CUDA-graph decode steps (serve/graphs.py) and the full pool's device slots (serve/slots.py).
+
+The reference is transformers computing the same checkpoint with eager experts over a
+``StaticCache``, step by step (:func:`decode`): prefill eagerly, then decode steps of one token
+each with an attention mask of the cache's length. GPU tests (``-m gpu``): every fused
+family, batch 1 and 4, budgets where every expert is resident (warm: the sparse blocks are
+graphs at batch 1) and where experts miss (the host path takes the layer mid-sequence), logits
+``torch.equal`` at every step. CPU tests: the slot map's bookkeeping against the cache, and
+serving through slots on the CPU (no graphs there) bit-identical too.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import zipmoe
+from zipmoe.runtime.serve.cache import ExpertCache
+from zipmoe.runtime.serve.graphs import GraphedStep, eager_step, supported, why_not
+from zipmoe.runtime.serve.loader import requirements
+from zipmoe.runtime.serve.slots import SlotMap
+
+from test_runtime_fixtures import container, reference
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2"]
+STEPS = 6
+CONTEXT = 32
+
+
+def _vocab(src) -> int:
+    return json.loads((src / "config.json").read_text())["vocab_size"]
+
+
+def decode(model, prompt, steps: int = STEPS, context: int = CONTEXT, graphs: bool = False):
+    """Greedy decode over a StaticCache; returns (logits of every step, the step object)."""
+    from transformers import StaticCache
+
+    b, n = prompt.shape
+    cache = StaticCache(config=model.config, max_cache_len=context)
+    mask = torch.zeros((b, context), dtype=torch.int64, device=prompt.device)
+    mask[:, :n] = 1
+    with torch.no_grad():
+        logits = model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:]
+    out = [logits]
+    step = GraphedStep(model, cache, b) if graphs else None
+    for i in range(steps):
+        nxt = out[-1][:, -1].argmax(-1, keepdim=True)
+        pos = n + i
+        mask[:, pos] = 1
+        with torch.no_grad():
+            if step is None:
+                logits = eager_step(model, cache, nxt, mask)
+            else:
+                logits = step(nxt, torch.tensor([pos], device=prompt.device), mask)
+        out.append(logits.clone())
+    return out, step
+
+
+def _prompt(vocab, batch, device, seed=0, n=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, n), generator=g).to(device)
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.fixture(scope="module")
+def gpu_refs():
+    return {}
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("family", FUSED)
+def test_graphed_decode_is_bit_identical(tmp_path_factory, gpu_refs, family):
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src, "cuda")
+    req = requirements(path, workers=1, device="cuda")
+    for batch in (1, 4):
+        prompt = _prompt(_vocab(src), batch, "cuda", seed=batch)
+        want, _ = decode(ref, prompt)
+        for which, fraction, warm in (("resident", 1.0, True), ("resident-cold", 1.0, False), ("half", 0.5, False),
+                                      ("quarter", 0.25, False)):
+            model, _ = zipmoe.load(path, budget=req["budget_for"](fraction), device="cuda", workers=1, warm=warm)
+            rt = model.zipmoe
+            try:
+                assert supported(model, batch), why_not(model, batch)
+                got, step = decode(model, prompt, graphs=True)
+                for i, (a, b) in enumerate(zip(want, got)):
+                    assert torch.equal(a, b), f"{family} batch {batch} {which}: logits differ at step {i}"
+                assert len(step.pieces) == len(step.sparse) + 1 and step.sparse
+                rt.slots.check()
+                assert rt.counters.peak_held_bytes <= rt.budget
+                if batch == 1 and which == "resident":
+                    assert step.stats["graphed_layers"] > 0 and step.stats["host_layers"] == 0, step.stats
+                if batch == 1 and which == "half":
+                    assert step.stats["host_layers"] > 0, step.stats  # misses took the host path mid-sequence
+                if batch > 1:
+                    assert step.stats["graphed_layers"] == 0
+            finally:
+                rt.close()
+
+
+@pytest.mark.gpu
+@CUDA
+def test_graphs_refuse_what_they_cannot_serve(tmp_path_factory):
+    src, path = container(tmp_path_factory, "switch_transformers")
+    model, _ = zipmoe.load(path, budget="64M", device="cuda", workers=1)
+    assert not supported(model, 1) and "switch_transformers" in why_not(model, 1)
+    model.zipmoe.close()
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=1, device="cuda")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1)
+    assert supported(model, 4) and not supported(model, 16)
+    model.zipmoe.close()
+
+
+# ---------------------------------------------------------------------------------- CPU
+def _fake_tensors(layers=2, experts=4, gu=(6, 4), down=(4, 3)):
+    out, uid = {}, 0
+    for layer in range(layers):
+        for e in range(experts):
+            ts = []
+            for name, shape in (("gate_up", gu), ("down", down)):
+                ts.append(types.SimpleNamespace(uid=uid, name=name, shape=shape, numel=shape[0] * shape[1]))
+                uid += 1
+            out[(layer, e)] = ts
+    return out
+
+
+def test_slot_map_follows_the_cache():
+    tensors = _fake_tensors()
+    nbytes = {t.uid: t.numel * 2 for ts in tensors.values() for t in ts}
+    pair = nbytes[0] + nbytes[1]
+    slots = SlotMap(tensors, capacity=3 * pair + 5, dtype=torch.bfloat16, device="cpu", num_experts=4)
+    assert {k[0]: a.slots for k, a in slots.arenas.items()} == {"gate_up": 3, "down": 3}
+    cache = ExpertCache({"full": slots.nbytes})
+    slots.attach(cache)
+    uid = {(layer, e, t.name): t.uid for (layer, e), ts in tensors.items() for t in ts}
+
+    def put(layer, e, uses=1):
+        for name in ("gate_up", "down"):
+            u = uid[(layer, e, name)]
+            for _ in range(uses):
+                cache.touch(u)
+            t = tensors[(layer, e)][0 if name == "gate_up" else 1]
+            cache.offer(u, {"full": (nbytes[u], torch.full(t.shape, float(u), dtype=torch.bfloat16))})
+
+    put(0, 0, 3)
+    put(0, 2, 2)
+    put(1, 1, 2)
+    slots.check()
+    assert slots.all_slotted(0, [0, 2]) and slots.all_slotted(1, [1]) and not slots.all_slotted(0, [1])
+    # the data the cache hands out is the slot itself
+    u = uid[(0, 2, "gate_up")]
+    assert cache.get(u).data_ptr() == slots.arenas[("gate_up", (6, 4))].data[slots.slot_of[u]].data_ptr()
+    assert torch.equal(cache.get(u), torch.full((6, 4), float(u), dtype=torch.bfloat16))
+    # a hotter expert evicts the least used one; its slots are reused, the maps follow
+    put(1, 3, 5)
+    slots.check()
+    assert cache.state_of(uid[(0, 2, "gate_up")]) is None or cache.state_of(uid[(1, 1, "gate_up")]) is None
+    assert slots.all_slotted(1, [3]) and slots.all_slotted(0, [0])
+    assert torch.equal(cache.get(uid[(1, 3, "down")]), torch.full((4, 3), float(uid[(1, 3, "down")]), dtype=torch.bfloat16))
+    # pinned tensors are never the victim
+    cache.pinned = {uid[(0, 0, "gate_up")], uid[(0, 0, "down")]}
+    put(0, 1, 9)
+    slots.check()
+    assert slots.all_slotted(0, [0, 1])
+    cache.pinned.clear()
+    cache.clear()
+    slots.check()
+    assert all(len(a.free) == a.slots for a in slots.arenas.values())
+    assert all((h == -1).all() for h in slots.host.values())
+
+
+def test_slot_map_split_when_the_pool_is_small():
+    tensors = _fake_tensors(layers=3, experts=4)
+    pair = 2 * (24 + 12)
+    slots = SlotMap(tensors, capacity=5 * pair, dtype=torch.float32, device="cpu", num_experts=4)
+    # float32 slots: 96 and 48 bytes; each kind gets its share (2/3, 1/3) of the 360 bytes
+    assert {k[0]: a.slots for k, a in slots.arenas.items()} == {"gate_up": 2, "down": 2}
+    assert slots.nbytes <= 5 * pair
+    every = SlotMap(tensors, capacity=10**9, dtype=torch.bfloat16, device="cpu", num_experts=4)
+    assert all(a.slots == 12 for a in every.arenas.values())
+    assert every.nbytes == sum(t.numel * 2 for ts in tensors.values() for t in ts)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+def test_serving_through_slots_on_the_cpu_is_bit_identical(tmp_path_factory, family):
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    prompt = _prompt(_vocab(src), 4, "cpu")
+    want, _ = decode(ref, prompt, steps=3)
+    for fraction in (1.0, 0.4):
+        budget = req["budget_for"](fraction)
+        model, _ = zipmoe.load(path, budget=budget, device="cpu", workers=1, slots=True)
+        rt = model.zipmoe
+        try:
+            assert rt.slots is not None and not supported(model, 4)
+            got, _ = decode(model, prompt, steps=3)
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            rt.slots.check()
+            assert rt.counters.peak_held_bytes <= budget
+            if fraction < 1:
+                assert rt.counters.hits["none"] > 0
+        finally:
+            rt.close()
+
+
+def test_graphs_need_cuda(tmp_path_factory):
+    src, path = container(tmp_path_factory, "olmoe")
+    model, _ = zipmoe.load(path, budget="64M", device="cpu", workers=1)
+    assert not supported(model, 1) and "CUDA" in why_not(model, 1)
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphedStep(model, None, 1)
+    model.zipmoe.close()
