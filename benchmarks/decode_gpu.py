@@ -161,7 +161,10 @@ def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None) -> t
         if loop.graph is not None:
             res["graph_stats"] = dict(loop.graph.stats)
         if args.profile_tokens:
-            res.update(profile_steps(loop, args.profile_tokens))
+            try:
+                res.update(profile_steps(loop, args.profile_tokens))
+            except Exception as exc:  # noqa: BLE001 - keep the timing
+                res["profile_error"] = f"{type(exc).__name__}: {exc}"
         log(name, json.dumps(res))
         del loop
         return res, logits
