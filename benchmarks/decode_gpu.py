@@ -217,6 +217,11 @@ def main(argv=None) -> int:
                "layers": cfg["num_hidden_layers"], "context": args.context, "prompt": args.prompt,
                "tokens": args.tokens, "runs": []}
     prompts = {b: prompt_ids(cfg["vocab_size"], b, args.prompt, "cuda") for b in batches}
+
+    def save():  # after every engine: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
     refs: dict = {}
     # plain transformers first: its eager logits are the reference
     if any(e.startswith("hf-") for e in engines):
@@ -234,6 +239,7 @@ def main(argv=None) -> int:
             for b in batches:
                 res, logits = measure(f"hf-{impl}", model, prompts[b], args, graphed=False)
                 results["runs"].append(res)
+                save()
                 if impl == "eager":
                     refs[b] = logits
         del model
@@ -250,6 +256,7 @@ def main(argv=None) -> int:
                 if name in engines:
                     res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(b))
                     results["runs"].append(res)
+                    save()
         results["zipmoe_misses"] = rt.counters.hits.get("none", 0)
         rt.close()
     by = {(r["engine"], r["batch"]): r for r in results["runs"]}
@@ -262,8 +269,7 @@ def main(argv=None) -> int:
         g, gm = by.get(("zipmoe-graphed", b), {}), by.get(("hf-grouped_mm", b), {})
         if "tpot_ms" in g and "tpot_ms" in gm:
             print(f"batch {b}: zipmoe graphed / transformers grouped_mm = {g['tpot_ms'] / gm['tpot_ms']:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    save()
     return 0
 
 

@@ -22,9 +22,14 @@ far and the new one). :class:`GraphedStep` computes the same logits by replaying
   host learns the routing with one small device->host copy per layer, issued before that
   graph: when every routed expert sits in a slot, the host goes on to the next piece while
   the GPU computes; otherwise the layer runs the host path (the runtime's scheduler fetches
-  the misses) and its output replaces the graph's. At batch > 1 the number of tokens per
-  expert depends on the routing, so the eager loop's ``F.linear`` shapes do: the sparse block
-  always runs the host path there (the pieces around it are still graphs).
+  the misses) and its output replaces the graph's;
+* at batch > 1 the number of tokens each expert gets depends on the routing, and so do the
+  eager loop's ``F.linear`` shapes: one graph per (rank among the layer's hit experts, token
+  count) is captured (:class:`_Grouped`), and the host, once it has the routing (the same
+  small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
+  into one index buffer and replays the graphs of the layer's experts in ascending order:
+  the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
+  runs the host path.
 
 The first call runs the eager step (warm-up); the second captures (and computes its step
 while capturing: each piece is replayed as soon as it is captured); later calls replay.
@@ -81,13 +86,105 @@ def supported(model, batch: int) -> bool:
 class _Sparse:
     """One experts call of the captured forward: its static tensors and its graph (batch 1)."""
 
-    __slots__ = ("module", "layer", "hidden", "ids", "weights", "out", "graph")
+    __slots__ = ("module", "layer", "hidden", "ids", "weights", "out", "graph", "grouped")
 
     def __init__(self, module, hidden, ids, weights, out) -> None:
         self.module = module
         self.layer = module._zipmoe_layer
         self.hidden, self.ids, self.weights, self.out = hidden, ids, weights, out
         self.graph = None
+        self.grouped = None
+
+
+class _Grouped:
+    """Batch > 1: one small graph per (rank ``j`` among the layer's hit experts, token count ``m``).
+
+    Graph ``(j, m)`` computes the ``j``-th hit expert (ascending ids) over ``m`` tokens with the
+    eager loop's ops: ``hidden[token_idx]``, ``F.linear`` with its [2I, H] weight (gathered from
+    its slot into a static buffer), ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with the
+    [H, I] weight, times ``top_k_weights[token_idx, top_k_pos, None]``, ``index_add_`` into the
+    output. The host, which learns the routing anyway, writes every hit expert's
+    ``(top_k_pos, token_idx)`` (in ``torch.where``'s order, :func:`.experts_hook.routed_indices`)
+    and its slots into one index buffer (one host->device copy), then replays the graphs of
+    the layer's hit experts in ascending order: the same ``F.linear`` shapes, the same
+    accumulation order as the eager loop. Shared by every layer whose tensors have the same
+    shapes (the layer's hidden states and routing weights are copied into its static inputs).
+    """
+
+    def __init__(self, step, sp: _Sparse) -> None:
+        slots = step.slots
+        tokens = sp.hidden.shape[0]
+        k = sp.ids.shape[1]
+        self.b = tokens
+        self.J = min(tokens * k, step.rt.num_experts)
+        dev = sp.hidden.device
+        self.hid = torch.empty_like(sp.hidden)
+        self.wts = torch.empty_like(sp.weights)
+        self.out = torch.empty_like(sp.hidden)
+        width = 2 * tokens + 2
+        self.idx = torch.zeros((self.J, width), dtype=torch.int64, device=dev)
+        self.idx_host = torch.zeros((self.J, width), dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.arenas = {u: slots.arena_of(sp.layer, u) for u in ("gate_up", "down")}
+        self.w = {u: torch.empty((1, *a.shape), dtype=a.data.dtype, device=dev) for u, a in self.arenas.items()}
+        self.act_fn = sp.module.act_fn
+        self.graphs: dict = {}
+        for m in range(1, tokens + 1):  # warm-up (lazy library state), then capture
+            self._body(0, m)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        for j in range(self.J):
+            for m in range(1, tokens + 1):
+                self.graphs[(j, m)] = self._graph(step, lambda j=j, m=m: self._body(j, m))
+
+    @staticmethod
+    def _graph(step, fn):
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=step.pool, capture_error_mode="thread_local")
+        fn()
+        g.capture_end()
+        return g
+
+    @staticmethod
+    def key(sp: _Sparse, slots) -> tuple:
+        return (tuple(sp.hidden.shape), sp.hidden.dtype, tuple(sp.weights.shape), sp.weights.dtype,
+                slots.key_of[(sp.layer, "gate_up")], slots.key_of[(sp.layer, "down")], type(sp.module.act_fn))
+
+    def _body(self, j: int, m: int) -> None:
+        b = self.b
+        row = self.idx[j]
+        top_k_pos, token_idx = row[0:m], row[b:b + m]
+        gate_up, down = self.w["gate_up"], self.w["down"]
+        torch.index_select(self.arenas["gate_up"].data, 0, row[2 * b:2 * b + 1], out=gate_up)
+        torch.index_select(self.arenas["down"].data, 0, row[2 * b + 1:2 * b + 2], out=down)
+        current_state = self.hid[token_idx]
+        gate, up = F.linear(current_state, gate_up[0]).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        h = F.linear(h, down[0])
+        h = h * self.wts[token_idx, top_k_pos, None]
+        self.out.index_add_(0, token_idx, h.to(self.out.dtype))
+
+    def run(self, sp: _Sparse, experts: list, index, sizes: list, slots) -> None:
+        """Write the layer's routing into the index buffer and replay its hit experts' graphs."""
+        b = self.b
+        host = self.idx_host.numpy()
+        pos = index[0].numpy()
+        tok = index[1].numpy()
+        r = slots.row[sp.layer]
+        gu, dn = slots.host["gate_up"][r], slots.host["down"][r]
+        off = 0
+        for j, (e, m) in enumerate(zip(experts, sizes)):
+            host[j, 0:m] = pos[off:off + m]
+            host[j, b:b + m] = tok[off:off + m]
+            host[j, 2 * b] = gu[e]
+            host[j, 2 * b + 1] = dn[e]
+            off += m
+        self.idx.copy_(self.idx_host, non_blocking=True)
+        self.hid.copy_(sp.hidden)
+        self.wts.copy_(sp.weights)
+        self.out.zero_()
+        for j, m in enumerate(sizes):
+            self.graphs[(j, m)].replay()
+        sp.out.copy_(self.out)
 
 
 class GraphedStep:
@@ -109,6 +206,8 @@ class GraphedStep:
         self.rt = model.zipmoe
         self.slots = self.rt.slots
         self.graph_sparse = graph_sparse and self.batch == 1
+        self.graph_grouped = graph_sparse and self.batch > 1
+        self._grouped: dict = {}
         self.modules = _experts_modules(model)
         self.calls = 0
         self.pieces: list = []
@@ -197,12 +296,18 @@ class GraphedStep:
         """The experts call during capture: end this piece, set up the sparse block, start the next."""
         self._end_piece()
         sp = _Sparse(module, hidden, ids, weights, torch.zeros_like(hidden))
-        if self.graph_sparse:
+        slotted = all(a.slots > 0 for a in self.slots.arenas.values())  # else a gather could point nowhere
+        if self.graph_sparse and slotted:
             g = torch.cuda.CUDAGraph()
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             self._sparse_graph_body(sp)
             g.capture_end()
             sp.graph = g
+        elif self.graph_grouped and slotted:
+            key = _Grouped.key(sp, self.slots)
+            if key not in self._grouped:
+                self._grouped[key] = _Grouped(self, sp)
+            sp.grouped = self._grouped[key]
         self.sparse.append(sp)
         self._sparse_step(sp)
         self._cur = self._begin()
@@ -256,6 +361,26 @@ class GraphedStep:
             self._event.synchronize()
             experts = sorted(set(self._ids_host[0].tolist()))
             if all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
+                cache, counters = rt.cache, rt.counters
+                for e in experts:
+                    for t in rt.expert_tensors[(sp.layer, e)]:
+                        cache.touch(t.uid)
+                        counters.add_hit("full")
+                counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
+                self.stats["graphed_layers"] += 1
+                return
+        elif sp.grouped is not None:
+            t0 = time.perf_counter()
+            if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
+                self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
+            self._ids_host.copy_(sp.ids, non_blocking=True)
+            self._event.record()
+            self._event.synchronize()
+            from zipmoe.runtime.serve.experts_hook import routed_indices
+
+            experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
+            if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
+                sp.grouped.run(sp, experts, index, sizes, self.slots)
                 cache, counters = rt.cache, rt.counters
                 for e in experts:
                     for t in rt.expert_tensors[(sp.layer, e)]:
