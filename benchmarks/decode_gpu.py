@@ -9,6 +9,8 @@ codec does not matter with every expert resident), then for each batch size:
 
 * ``zipmoe-graphed``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert,
   a StaticCache, :class:`zipmoe.runtime.serve.graphs.GraphedStep`;
+* ``zipmoe-pieces``: GraphedStep with ``graph_sparse=False`` (the pieces are graphs, every
+  sparse block runs the host path): what the sparse blocks' graphs add;
 * ``zipmoe-eager``: the same model, the eager step (the runtime's host path every layer);
 * ``hf-eager`` / ``hf-grouped_mm``: transformers with every weight in GPU memory,
   ``experts_implementation`` eager / grouped_mm, the same StaticCache loop.
@@ -75,7 +77,7 @@ def prompt_ids(vocab: int, batch: int, n: int, device) -> torch.Tensor:
 class Loop:
     """Prefill then greedy steps over a StaticCache; ``step`` is GraphedStep or the eager step."""
 
-    def __init__(self, model, prompt, context: int, graphed: bool) -> None:
+    def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True) -> None:
         from transformers import StaticCache
 
         from zipmoe.runtime.serve.graphs import GraphedStep, eager_step
@@ -89,7 +91,7 @@ class Loop:
         with torch.no_grad():
             self.logits = model(input_ids=prompt, attention_mask=self.mask, past_key_values=self.cache,
                                 use_cache=True).logits[:, -1:]
-        self.graph = GraphedStep(model, self.cache, b) if graphed else None
+        self.graph = GraphedStep(model, self.cache, b, graph_sparse=graph_sparse) if graphed else None
         self._eager = eager_step
 
     def step(self):
@@ -139,10 +141,10 @@ def profile_steps(loop: Loop, steps: int) -> dict:
             "gpu_kernels_per_token": len(kernels) / steps, "gpu_busy_ms_per_token": busy / 1000.0 / steps}
 
 
-def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None) -> tuple[dict, list]:
+def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, graph_sparse: bool = True) -> tuple[dict, list]:
     res: dict = {"engine": name, "batch": int(prompt.shape[0])}
     try:
-        loop = Loop(model, prompt, args.context, graphed)
+        loop = Loop(model, prompt, args.context, graphed, graph_sparse)
         logits = [loop.logits.clone()]
         for _ in range(args.skip):
             logits.append(loop.step().clone())
@@ -189,7 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="timed steps")
     ap.add_argument("--compare", type=int, default=8, help="steps whose logits are compared")
     ap.add_argument("--profile-tokens", type=int, default=4)
-    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-eager,hf-eager,hf-grouped_mm")
+    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-pieces,zipmoe-eager,hf-eager,hf-grouped_mm",
+                    help="zipmoe-pieces: graphed pieces, every sparse block on the host path")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
     ap.add_argument("--build-only", action="store_true", help="synth and pack, then stop (no GPU needed)")
@@ -252,9 +255,11 @@ def main(argv=None) -> int:
         rt = model.zipmoe
         log(f"zipmoe load + warm: {time.time() - t:.0f} s; slots: {rt.describe()['slots']}")
         for b in batches:
-            for name, graphed in (("zipmoe-graphed", True), ("zipmoe-eager", False)):
+            for name, graphed, sparse in (("zipmoe-graphed", True, True), ("zipmoe-pieces", True, False),
+                                          ("zipmoe-eager", False, False)):
                 if name in engines:
-                    res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(b))
+                    res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(b),
+                                     graph_sparse=sparse)
                     results["runs"].append(res)
                     save()
         results["zipmoe_misses"] = rt.counters.hits.get("none", 0)
