@@ -12,6 +12,8 @@ codec does not matter with every expert resident), then for each batch size:
 * ``zipmoe-pieces``: GraphedStep with ``graph_sparse=False`` (the pieces are graphs, every
   sparse block runs the host path): what the sparse blocks' graphs add;
 * ``zipmoe-eager``: the same model, the eager step (the runtime's host path every layer);
+* ``zipmoe-fast``: the same warm model switched to ``kernels="fast"`` (transformers' grouped_mm
+  experts function over the slots; its reference is hf-grouped_mm), graphed: one graph a step;
 * ``hf-eager`` / ``hf-grouped_mm``: transformers with every weight in GPU memory,
   ``experts_implementation`` eager / grouped_mm, the same StaticCache loop.
 
@@ -21,7 +23,8 @@ eager warm-up and its capture), divided by their number, with no host sync betwe
 other than the engine's own. A second, shorter pass under torch.profiler counts per token the
 host's launch calls (cudaLaunchKernel & co., cudaGraphLaunch, memcpy/memset) and the GPU's
 kernels, and the GPU-busy time (the union of the kernels' intervals). The zipmoe engines' logits
-are compared with hf-eager's, step by step (``torch.equal``): the bit-identity contract.
+are compared with hf-eager's (zipmoe-fast's with hf-grouped_mm's), step by step (``torch.equal``):
+the bit-identity contract.
 """
 
 from __future__ import annotations
@@ -141,7 +144,15 @@ def profile_steps(loop: Loop, steps: int) -> dict:
             "gpu_kernels_per_token": len(kernels) / steps, "gpu_busy_ms_per_token": busy / 1000.0 / steps}
 
 
-def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, graph_sparse: bool = True) -> tuple[dict, list]:
+def set_experts_implementation(model, impl: str) -> None:
+    for m in model.modules():
+        if getattr(m, "config", None) is not None and hasattr(m.config, "_experts_implementation"):
+            m.config._experts_implementation = impl
+    model.config._experts_implementation = impl
+
+
+def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, graph_sparse: bool = True,
+            ref_name: str = "hf_eager") -> tuple[dict, list]:
     res: dict = {"engine": name, "batch": int(prompt.shape[0])}
     try:
         loop = Loop(model, prompt, args.context, graphed, graph_sparse)
@@ -158,7 +169,7 @@ def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, grap
         res["tpot_ms"] = (time.perf_counter() - t0) * 1000 / args.tokens
         if ref_logits is not None:
             n = min(len(ref_logits), len(logits))
-            res["identical_to_hf_eager"] = all(torch.equal(a, b) for a, b in zip(ref_logits[:n], logits[:n]))
+            res[f"identical_to_{ref_name}"] = all(torch.equal(a, b) for a, b in zip(ref_logits[:n], logits[:n]))
             res["compared_steps"] = n
         if loop.graph is not None:
             res["graph_stats"] = dict(loop.graph.stats)
@@ -191,7 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="timed steps")
     ap.add_argument("--compare", type=int, default=8, help="steps whose logits are compared")
     ap.add_argument("--profile-tokens", type=int, default=4)
-    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-pieces,zipmoe-eager,hf-eager,hf-grouped_mm",
+    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-pieces,zipmoe-eager,zipmoe-fast,hf-eager,hf-grouped_mm",
                     help="zipmoe-pieces: graphed pieces, every sparse block on the host path")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
@@ -235,16 +246,12 @@ def main(argv=None) -> int:
         for impl in ("eager", "grouped_mm"):
             if f"hf-{impl}" not in engines:
                 continue
-            for m in model.modules():
-                if getattr(m, "config", None) is not None and hasattr(m.config, "_experts_implementation"):
-                    m.config._experts_implementation = impl
-            model.config._experts_implementation = impl
+            set_experts_implementation(model, impl)
             for b in batches:
                 res, logits = measure(f"hf-{impl}", model, prompts[b], args, graphed=False)
                 results["runs"].append(res)
                 save()
-                if impl == "eager":
-                    refs[b] = logits
+                refs[(impl, b)] = logits
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -258,10 +265,19 @@ def main(argv=None) -> int:
             for name, graphed, sparse in (("zipmoe-graphed", True, True), ("zipmoe-pieces", True, False),
                                           ("zipmoe-eager", False, False)):
                 if name in engines:
-                    res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(b),
+                    res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(("eager", b)),
                                      graph_sparse=sparse)
                     results["runs"].append(res)
                     save()
+        if "zipmoe-fast" in engines:  # --kernels fast: the same warm slots, transformers' grouped_mm function
+            from zipmoe.runtime.serve.experts_hook import FAST_IMPLEMENTATION
+
+            set_experts_implementation(model, FAST_IMPLEMENTATION)
+            for b in batches:
+                res, _ = measure("zipmoe-fast", model, prompts[b], args, graphed=True,
+                                 ref_logits=refs.get(("grouped_mm", b)), ref_name="hf_grouped_mm")
+                results["runs"].append(res)
+                save()
         results["zipmoe_misses"] = rt.counters.hits.get("none", 0)
         rt.close()
     by = {(r["engine"], r["batch"]): r for r in results["runs"]}
@@ -269,7 +285,8 @@ def main(argv=None) -> int:
     for r in results["runs"]:
         print(f"{r['engine']:16} {r['batch']:>5} {r.get('tpot_ms', float('nan')):>9.2f} "
               f"{r.get('launch_calls_per_token', float('nan')):>10.0f} {r.get('gpu_kernels_per_token', float('nan')):>11.0f} "
-              f"{r.get('gpu_busy_ms_per_token', float('nan')):>11.2f}  {r.get('identical_to_hf_eager', '')}{r.get('error', '')}")
+              f"{r.get('gpu_busy_ms_per_token', float('nan')):>11.2f}  "
+              f"{r.get('identical_to_hf_eager', r.get('identical_to_hf_grouped_mm', ''))}{r.get('error', '')}")
     for b in batches:
         g, gm = by.get(("zipmoe-graphed", b), {}), by.get(("hf-grouped_mm", b), {})
         if "tpot_ms" in g and "tpot_ms" in gm:

@@ -258,3 +258,55 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
             assert torch.equal(sp.out, want), f"batch {batch}"
     finally:
         rt.close()
+
+
+# ------------------------------------------------------------------- --kernels fast
+def _grouped_mm_reference(src, device):
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    return m.to(device).eval()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_fast_kernels_match_transformers_grouped_mm(tmp_path_factory, family, device):
+    """kernels="fast": bit-identical to transformers with experts_implementation="grouped_mm"
+    (eager steps on the CPU, the graphed step on CUDA: one graph for the whole step)."""
+    src, path = container(tmp_path_factory, family)
+    ref = _grouped_mm_reference(src, device)
+    req = requirements(path, workers=1, device=device)
+    for batch in (1, 4):
+        prompt = _prompt(_vocab(src), batch, device, seed=10 + batch)
+        want, _ = decode(ref, prompt)
+        model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device=device, workers=1, kernels="fast")
+        try:
+            graphs = supported(model, batch)
+            assert graphs == (device == "cuda")
+            read = model.zipmoe.counters.bytes_read
+            got, step = decode(model, prompt, graphs=graphs)
+            for i, (a, b) in enumerate(zip(want, got)):
+                assert torch.equal(a, b), f"{family} batch {batch}: logits differ at step {i}"
+            if graphs:
+                assert len(step.pieces) == 1 and not step.sparse  # nothing breaks the graph
+            assert model.zipmoe.counters.bytes_read == read  # every expert was loaded at once
+        finally:
+            model.zipmoe.close()
+
+
+def test_fast_kernels_refuse_what_they_cannot_serve(tmp_path_factory):
+    from zipmoe.errors import UsageError
+
+    src, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=1)
+    with pytest.raises(UsageError, match="every expert resident"):
+        zipmoe.load(path, budget=req["budget_for"](0.5), workers=1, kernels="fast")
+    with pytest.raises(UsageError, match="unknown kernels"):
+        zipmoe.load(path, budget=req["budget_for"](1.0), workers=1, kernels="quick")
+    src, path = container(tmp_path_factory, "switch_transformers")
+    with pytest.raises(UsageError, match="fused families"):
+        zipmoe.load(path, budget="64M", workers=1, kernels="fast")

@@ -166,6 +166,26 @@ class SlotMap:
                     return False
         return True
 
+    def layer_views(self, layer: int) -> tuple:
+        """``(gate_up [E, 2I, H], down [E, H, I])``: every expert of ``layer`` in expert order.
+
+        A view of the arena when the layer's experts sit in consecutive slots in expert order
+        (what a warm start in (layer, expert) order gives), else a gathered copy. Every expert
+        must be slotted (RuntimeError otherwise)."""
+        r = self.row[layer]
+        out = []
+        for unit in ("gate_up", "down"):
+            arena = self.arena_of(layer, unit)
+            row = self.host[unit][r]
+            if (row < 0).any():
+                raise RuntimeError(f"layer {layer}: not every expert's {unit} weight is resident")
+            s0 = int(row[0])
+            if (row == np.arange(s0, s0 + len(row))).all():
+                out.append(arena.data[s0:s0 + len(row)])
+            else:
+                out.append(arena.data.index_select(0, self.maps[unit][r]))
+        return tuple(out)
+
     def check(self) -> None:
         """Consistency of the maps, the arenas and the cache (for tests)."""
         for uid, slot in self.slot_of.items():
