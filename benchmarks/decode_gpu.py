@@ -9,6 +9,8 @@ codec does not matter with every expert resident), then for each batch size:
 
 * ``zipmoe-graphed``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert,
   a StaticCache, :class:`zipmoe.runtime.serve.graphs.GraphedStep`;
+* ``zipmoe-batched`` (batch > 1 only): GraphedStep with ``batched_sparse=True``, the opt-in
+  graphs of batch > 1 sparse blocks (the default, ``zipmoe-graphed``, runs them on the host path);
 * ``zipmoe-pieces``: GraphedStep with ``graph_sparse=False`` (the pieces are graphs, every
   sparse block runs the host path): what the sparse blocks' graphs add;
 * ``zipmoe-eager``: the same model, the eager step (the runtime's host path every layer);
@@ -80,7 +82,7 @@ def prompt_ids(vocab: int, batch: int, n: int, device) -> torch.Tensor:
 class Loop:
     """Prefill then greedy steps over a StaticCache; ``step`` is GraphedStep or the eager step."""
 
-    def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True) -> None:
+    def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True, batched_sparse=None) -> None:
         from transformers import StaticCache
 
         from zipmoe.runtime.serve.graphs import GraphedStep, eager_step
@@ -94,7 +96,8 @@ class Loop:
         with torch.no_grad():
             self.logits = model(input_ids=prompt, attention_mask=self.mask, past_key_values=self.cache,
                                 use_cache=True).logits[:, -1:]
-        self.graph = GraphedStep(model, self.cache, b, graph_sparse=graph_sparse) if graphed else None
+        self.graph = (GraphedStep(model, self.cache, b, graph_sparse=graph_sparse, batched_sparse=batched_sparse)
+                      if graphed else None)
         self._eager = eager_step
 
     def step(self):
@@ -152,10 +155,10 @@ def set_experts_implementation(model, impl: str) -> None:
 
 
 def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, graph_sparse: bool = True,
-            ref_name: str = "hf_eager") -> tuple[dict, list]:
+            ref_name: str = "hf_eager", batched_sparse=None) -> tuple[dict, list]:
     res: dict = {"engine": name, "batch": int(prompt.shape[0])}
     try:
-        loop = Loop(model, prompt, args.context, graphed, graph_sparse)
+        loop = Loop(model, prompt, args.context, graphed, graph_sparse, batched_sparse)
         logits = [loop.logits.clone()]
         for _ in range(args.skip):
             logits.append(loop.step().clone())
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="timed steps")
     ap.add_argument("--compare", type=int, default=8, help="steps whose logits are compared")
     ap.add_argument("--profile-tokens", type=int, default=4)
-    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-pieces,zipmoe-eager,zipmoe-fast,hf-eager,hf-grouped_mm",
+    ap.add_argument("--engines", default="zipmoe-graphed,zipmoe-batched,zipmoe-pieces,zipmoe-eager,zipmoe-fast,hf-eager,hf-grouped_mm",
                     help="zipmoe-pieces: graphed pieces, every sparse block on the host path")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
@@ -262,11 +265,13 @@ def main(argv=None) -> int:
         rt = model.zipmoe
         log(f"zipmoe load + warm: {time.time() - t:.0f} s; slots: {rt.describe()['slots']}")
         for b in batches:
-            for name, graphed, sparse in (("zipmoe-graphed", True, True), ("zipmoe-pieces", True, False),
-                                          ("zipmoe-eager", False, False)):
-                if name in engines:
+            for name, graphed, sparse, batched in (("zipmoe-graphed", True, True, None),
+                                                   ("zipmoe-batched", True, True, True),
+                                                   ("zipmoe-pieces", True, False, None),
+                                                   ("zipmoe-eager", False, False, None)):
+                if name in engines and not (name == "zipmoe-batched" and b == 1):
                     res, _ = measure(name, model, prompts[b], args, graphed=graphed, ref_logits=refs.get(("eager", b)),
-                                     graph_sparse=sparse)
+                                     graph_sparse=sparse, batched_sparse=batched)
                     results["runs"].append(res)
                     save()
         if "zipmoe-fast" in engines:  # --kernels fast: the same warm slots, transformers' grouped_mm function

@@ -29,7 +29,8 @@ far and the new one). :class:`GraphedStep` computes the same logits by replaying
   small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
   into one index buffer and replays the graphs of the layer's experts in ascending order:
   the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
-  runs the host path.
+  runs the host path. Opt-in (``batched_sparse=True``) until verified on a GPU: see
+  :data:`BATCHED_SPARSE`; by default batch > 1 runs every sparse block on the host path.
 
 The first call runs the eager step (warm-up); the second captures (and computes its step
 while capturing: each piece is replayed as soon as it is captured); later calls replay.
@@ -48,6 +49,12 @@ from torch.nn import functional as F
 __all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not"]
 
 BATCHES = (1, 2, 3, 4, 8)
+# Batch > 1 sparse blocks from graphs (_Grouped): off by default until a GPU run shows them
+# bit-identical. The first version shared the pieces' memory pool and was not (H200,
+# 2026-12-01, docs/benchmarks.md); this one has its own pool, not yet run on a GPU:
+# `pytest -m gpu tests/test_graphs.py` checks it (test_graphed_decode_is_bit_identical's
+# batched variant) before this becomes True.
+BATCHED_SPARSE = False
 
 
 def eager_step(model, cache, input_ids, attention_mask):
@@ -127,6 +134,10 @@ class _Grouped:
         self.arenas = {u: slots.arena_of(sp.layer, u) for u in ("gate_up", "down")}
         self.w = {u: torch.empty((1, *a.shape), dtype=a.data.dtype, device=dev) for u, a in self.arenas.items()}
         self.act_fn = sp.module.act_fn
+        # their own memory pool: these graphs are replayed in any order and once per layer, after
+        # pieces captured later; in the pieces' pool their temporaries would alias the live
+        # tensors of those pieces (measured on the H200: wrong logits from the capture step on)
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.graphs: dict = {}
         for m in range(1, tokens + 1):  # warm-up (lazy library state), then capture
             self._body(0, m)
@@ -134,12 +145,12 @@ class _Grouped:
             torch.cuda.current_stream(dev).synchronize()
         for j in range(self.J):
             for m in range(1, tokens + 1):
-                self.graphs[(j, m)] = self._graph(step, lambda j=j, m=m: self._body(j, m))
+                self.graphs[(j, m)] = self._graph(self.pool, lambda j=j, m=m: self._body(j, m))
 
     @staticmethod
-    def _graph(step, fn):
+    def _graph(pool, fn):
         g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=step.pool, capture_error_mode="thread_local")
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
         fn()
         g.capture_end()
         return g
@@ -193,10 +204,11 @@ class GraphedStep:
     ``cache``: the transformers StaticCache the prefill filled (the graphs hold its tensors).
     ``attention_mask`` [batch, max_cache_len]; None means every position up to
     ``cache_position`` (no padding). ``graph_sparse=False`` runs every sparse block on the host
-    path (for comparisons).
+    path (for comparisons); ``batched_sparse`` (default :data:`BATCHED_SPARSE`) graphs the
+    sparse blocks at batch > 1 (:class:`_Grouped`).
     """
 
-    def __init__(self, model, cache, batch: int, graph_sparse: bool = True) -> None:
+    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None) -> None:
         reason = why_not(model, batch)
         if reason is not None:
             raise ValueError(f"GraphedStep cannot serve this model: {reason}")
@@ -206,7 +218,7 @@ class GraphedStep:
         self.rt = model.zipmoe
         self.slots = self.rt.slots
         self.graph_sparse = graph_sparse and self.batch == 1
-        self.graph_grouped = graph_sparse and self.batch > 1
+        self.graph_grouped = graph_sparse and self.batch > 1 and (BATCHED_SPARSE if batched_sparse is None else batched_sparse)
         self._grouped: dict = {}
         self.modules = _experts_modules(model)
         self.calls = 0
