@@ -313,3 +313,92 @@ def test_fast_kernels_refuse_what_they_cannot_serve(tmp_path_factory):
     src, path = container(tmp_path_factory, "switch_transformers")
     with pytest.raises(UsageError, match="fused families"):
         zipmoe.load(path, budget="64M", workers=1, kernels="fast")
+
+
+def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
+    """The decode loop's hook passes None (no padding) or the [batch, seen] mask; the graphs take
+    [batch, context]: static_mask's mask gives the same logits (CPU, eager; batch 1 without and
+    batch 3 with left padding)."""
+    from transformers import StaticCache
+
+    from zipmoe.runtime.serve.graphs import static_mask
+
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    ref = reference(src)
+    ctx = 24
+    for batch, padded in ((1, False), (3, True)):
+        prompt = _prompt(_vocab(src), batch, "cpu", seed=5)
+        mask = torch.ones_like(prompt)
+        if padded:
+            mask[1, :3] = 0
+            mask[2, :1] = 0
+        outs = []
+        for convert in (False, True):
+            cache = StaticCache(config=ref.config, max_cache_len=ctx)
+            pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            m = mask if padded else None
+            with torch.no_grad():
+                logits = ref(input_ids=prompt, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1]
+                got = []
+                for _ in range(4):
+                    nxt = logits.argmax(-1, keepdim=True)
+                    pos = pos[:, -1:] + 1
+                    if m is not None:
+                        m = torch.cat([m, m.new_ones((batch, 1))], dim=-1)
+                    use = static_mask(m, pos, ctx) if convert else m
+                    logits = ref(input_ids=nxt, attention_mask=use, position_ids=pos, past_key_values=cache,
+                                 logits_to_keep=1).logits[:, -1]
+                    got.append(logits)
+            outs.append(got)
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"batch {batch}"
+    assert torch.equal(static_mask(None, torch.tensor([[2], [2]]), 4), torch.tensor([[1, 1, 1, 0]] * 2))
+
+
+def _loop_style(model, prompt, mask, ctx, steps, graphed):
+    """What serve/loop.py's DecodeLoop feeds its hook: position ids, the mask so far or None."""
+    from transformers import StaticCache
+
+    batch = prompt.shape[0]
+    cache = StaticCache(config=model.config, max_cache_len=ctx)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    m = None if bool((mask == 1).all()) else mask
+    step = GraphedStep(model, cache, batch=batch, context=ctx) if graphed else None
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=prompt, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1]
+        for _ in range(steps):
+            nxt = logits.argmax(-1, keepdim=True)
+            pos = pos[:, -1:] + 1
+            if m is not None:
+                m = torch.cat([m, m.new_ones((batch, 1))], dim=-1)
+            if step is None:
+                logits = model(input_ids=nxt, attention_mask=m, position_ids=pos, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1).logits[:, -1]
+            else:
+                logits = step(nxt, pos, m)
+            out.append(logits.clone())
+    return out
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_graphed_step_in_the_decode_loops_form(tmp_path_factory, family):
+    """GraphedStep(..., context=) as the decode loop calls it: position ids, the mask so far
+    (None without padding), [batch, vocab] logits equal to the loop's eager forward."""
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src, "cuda")
+    req = requirements(path, workers=1, device="cuda")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1, warm=True)
+    try:
+        for batch, padded in ((1, False), (4, True)):
+            prompt = _prompt(_vocab(src), batch, "cuda", seed=7)
+            mask = torch.ones_like(prompt)
+            if padded:
+                mask[1, :3] = 0
+            want = _loop_style(ref, prompt, mask, CONTEXT, STEPS, graphed=False)
+            got = _loop_style(model, prompt, mask, CONTEXT, STEPS, graphed=True)
+            for i, (a, b) in enumerate(zip(want, got)):
+                assert torch.equal(a, b), f"{family} batch {batch}: logits differ at step {i}"
+    finally:
+        model.zipmoe.close()

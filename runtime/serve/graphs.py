@@ -46,7 +46,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-__all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not"]
+__all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
 
 BATCHES = (1, 2, 3, 4, 8)
 # Batch > 1 sparse blocks from graphs (_Grouped): off by default until a GPU run shows them
@@ -60,6 +60,25 @@ BATCHED_SPARSE = False
 def eager_step(model, cache, input_ids, attention_mask):
     """The reference decode step: one forward over the static cache."""
     return model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits
+
+
+def static_mask(attention_mask, position_ids, context: int):
+    """The decode loop's mask as a [batch, context] mask (what the graphs take).
+
+    ``attention_mask``: None (no padding: every position up to ``position_ids``) or the
+    [batch, kv_length] mask of every position so far; transformers pads it with zeros to the
+    static cache's length itself (``prepare_padding_mask``), so the padded mask builds the same
+    4-D mask. ``position_ids``: [batch, 1]."""
+    b = position_ids.shape[0]
+    if attention_mask is None:
+        ar = torch.arange(context, device=position_ids.device)[None]
+        return (ar <= position_ids.reshape(b, -1)[:, -1:]).to(torch.int64)
+    n = attention_mask.shape[-1]
+    if n > context:
+        raise ValueError(f"attention_mask has {n} positions; the static cache holds {context}")
+    out = torch.zeros((b, context), dtype=torch.int64, device=attention_mask.device)
+    out[:, :n] = attention_mask
+    return out
 
 
 def _experts_modules(model) -> list:
@@ -201,6 +220,12 @@ class _Grouped:
 class GraphedStep:
     """``step(input_ids, cache_position, attention_mask=None) -> logits`` from CUDA graphs.
 
+    With ``context=`` (how :class:`zipmoe.runtime.serve.loop.DecodeLoop` builds it) the step
+    follows the loop's hook instead: ``step(input_ids [batch, 1], position_ids [batch, 1],
+    attention_mask) -> [batch, vocab]`` logits of what ``DecodeLoop.forward`` computes
+    (``position_ids`` and ``logits_to_keep=1`` passed to the model; the mask None or the
+    [batch, kv_length] mask so far, made [batch, context] by :func:`static_mask`).
+
     ``cache``: the transformers StaticCache the prefill filled (the graphs hold its tensors).
     ``attention_mask`` [batch, max_cache_len]; None means every position up to
     ``cache_position`` (no padding). ``graph_sparse=False`` runs every sparse block on the host
@@ -208,7 +233,8 @@ class GraphedStep:
     sparse blocks at batch > 1 (:class:`_Grouped`).
     """
 
-    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None) -> None:
+    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None,
+                 *, context: int | None = None) -> None:
         reason = why_not(model, batch)
         if reason is not None:
             raise ValueError(f"GraphedStep cannot serve this model: {reason}")
@@ -228,6 +254,8 @@ class GraphedStep:
         self.pool = None
         self.s_ids = self.s_mask = self.s_logits = None
         self.ctx = None
+        self.loop_mode = context is not None
+        self.s_pos = None
         # batch 1's sparse graphs: static weight buffers shared by every layer of one kind
         self._w: dict = {}
         self._ids_host = None
@@ -237,23 +265,42 @@ class GraphedStep:
     # ------------------------------------------------------------------ public
     def __call__(self, input_ids, cache_position, attention_mask=None):
         with torch.no_grad():
+            if self.loop_mode:
+                pos = cache_position.reshape(self.batch, 1)
+                if self.ctx is None:
+                    self.ctx = int(self.cache.layers[0].max_cache_len)
+                attention_mask = static_mask(attention_mask, pos, self.ctx)
+            else:
+                pos = None
             mask = self._mask(input_ids, cache_position, attention_mask)
             self.calls += 1
             if self.calls == 1:  # warm-up: the eager step, on the capture stream
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    logits = eager_step(self.model, self.cache, input_ids, mask)
+                    logits = self._forward(input_ids, pos, mask)
                 torch.cuda.current_stream().wait_stream(self.stream)
-                return logits
+                return self._out(logits)
             if not self.pieces:
-                return self._capture(input_ids, mask)
+                return self._out(self._capture(input_ids, pos, mask))
             self.s_ids.copy_(input_ids)
             self.s_mask.copy_(mask)
+            if pos is not None:
+                self.s_pos.copy_(pos)
             for piece, sp in zip(self.pieces, self.sparse):
                 piece.replay()
                 self._sparse_step(sp)
             self.pieces[-1].replay()
-            return self.s_logits.clone()
+            return self._out(self.s_logits.clone())
+
+    def _out(self, logits):
+        return logits[:, -1] if self.loop_mode else logits
+
+    def _forward(self, ids, pos, mask):
+        """The eager step (with the loop's position ids and logits_to_keep in loop mode)."""
+        if pos is None:
+            return eager_step(self.model, self.cache, ids, mask)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                          use_cache=True, logits_to_keep=1).logits
 
     def _mask(self, input_ids, cache_position, attention_mask):
         if input_ids.shape != (self.batch, 1):
@@ -270,9 +317,10 @@ class GraphedStep:
         return attention_mask
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, input_ids, mask):
+    def _capture(self, input_ids, pos, mask):
         self.s_ids = input_ids.clone()
         self.s_mask = mask.clone()
+        self.s_pos = None if pos is None else pos.clone()
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -281,10 +329,7 @@ class GraphedStep:
         try:
             with torch.cuda.stream(self.stream):
                 self._cur = self._begin()
-                out = self.model(input_ids=self.s_ids, attention_mask=self.s_mask, past_key_values=self.cache,
-                                 use_cache=True)
-                self.s_logits = out.logits
-                del out
+                self.s_logits = self._forward(self.s_ids, self.s_pos, self.s_mask)
                 self._end_piece()
         finally:
             for m in self.modules:
