@@ -100,6 +100,7 @@ def chat(
     threads: int = typer.Option(0, "--threads", help="Torch threads (default: the cores the workers leave)."),
     warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (config.json's), bfloat16 or float32."),
+    kernels: str = typer.Option("exact", "--kernels", metavar="exact|fast", help="exact: bit-identical to transformers' eager experts; fast: its grouped_mm experts (bit-identical to experts_implementation=\"grouped_mm\"; needs every expert in the budget)."),
 ) -> None:
     """Chat with a model served from its container, bit-identical to the original."""
     from rich.console import Console
@@ -134,7 +135,7 @@ def chat(
     if not quiet:
         err.print(f"loading {file} …", style="dim", markup=False)
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                            warm=warm, trace=trace_out, dtype=dtype)
+                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels)
     rt = model.zipmoe
     if tokenizer is None:
         rt.close()

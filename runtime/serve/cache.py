@@ -54,6 +54,10 @@ class Pool:
         self.used = 0
         self.items: dict[int, tuple[int, object]] = {}  # uid -> (nbytes, data)
         self._heap: list = []  # (count, last, uid) lazily invalidated
+        # optional hooks (the full pool's device slots, serve/slots.py): adopt(uid, data) -> the
+        # data to keep; release(uid, data) when a tensor leaves the pool
+        self.adopt = None
+        self.release = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -165,6 +169,8 @@ class ExpertCache:
                 self._remove(uid)
             if callable(data):
                 data = data()
+            if pool.adopt is not None:
+                data = pool.adopt(uid, data)
             pool.items[uid] = (nbytes, data)
             pool.used += nbytes
             self.state[uid] = name
@@ -189,6 +195,8 @@ class ExpertCache:
         pool = self.pools[pool_name]
         if self.state.get(uid) is not None or pool.capacity - pool.used < nbytes:
             return False
+        if pool.adopt is not None:
+            data = pool.adopt(uid, data)
         pool.items[uid] = (nbytes, data)
         pool.used += nbytes
         self.state[uid] = pool_name
@@ -200,8 +208,10 @@ class ExpertCache:
         if st is None:
             return
         pool = self.pools[st]
-        nbytes, _ = pool.items.pop(uid)
+        nbytes, data = pool.items.pop(uid)
         pool.used -= nbytes
+        if pool.release is not None:
+            pool.release(uid, data)
 
     def drop(self, uid: int) -> None:
         self._remove(uid)

@@ -116,7 +116,7 @@ class Runtime:
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
                  budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16) -> None:
+                 compute_dtype=torch.bfloat16, slots=None) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -167,8 +167,18 @@ class Runtime:
             else:
                 caps = {k: int(pool_bytes * f) for k, f in DEFAULT_SPLIT.items()}
             self.split_source = "default"
+        # the full pool as device slot tensors with an expert->slot map (serve/slots.py): on
+        # CUDA by default (what CUDA graphs gather from), anywhere with slots=True
+        self.slots = None
+        if (self.device.type == "cuda" if slots is None else slots) and caps.get("full", 0) > 0:
+            from zipmoe.runtime.serve.slots import SlotMap
+
+            self.slots = SlotMap(expert_tensors, caps["full"], compute_dtype, self.device, num_experts)
+            caps["full"] = self.slots.nbytes  # the arenas' bytes, at most what the split gave
         self.pools = caps
         self.cache = ExpertCache(caps, demote=demote)
+        if self.slots is not None:
+            self.slots.attach(self.cache)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
         self.scheduler = LayerScheduler(self, self.workers)
         # threads and file descriptors go when the model is garbage collected, if close() was not called
@@ -180,7 +190,10 @@ class Runtime:
         return working_bytes_of(t) + (t.full_bytes if self.device.type == "cuda" else 0)
 
     def held_bytes(self) -> int:
-        return self.dense_bytes + self.scratch_bytes + self.cache.used_bytes() + self._inflight + self.store.buffers.idle_bytes
+        pools = self.cache.used_bytes()
+        if self.slots is not None:  # the arenas are allocated whole, used or not
+            pools += self.slots.nbytes + self.slots.loose_bytes - self.cache.pools["full"].used
+        return self.dense_bytes + self.scratch_bytes + pools + self._inflight + self.store.buffers.idle_bytes
 
     def _idle_room(self) -> int:
         """Read buffers may stay idle in what the window reserves and the experts in flight do not use."""
@@ -218,6 +231,7 @@ class Runtime:
             "device": str(self.device),
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "direct_io": self.store.direct,
+            "slots": None if self.slots is None else {f"{k[0]} {list(k[1])}": a.slots for k, a in self.slots.arenas.items()},
         }
 
     # ------------------------------------------------------------------ tracing
@@ -260,6 +274,8 @@ class Runtime:
                     continue
                 if self.cache.pools["full"].capacity - self.cache.pools["full"].used < t.compute_bytes:
                     return n
+                if self.slots is not None and not self.slots.has_free(t.uid):
+                    continue  # this kind's slots are full (another kind may still have room)
                 from zipmoe.codecs.exponent import DecodeContext
 
                 from zipmoe.runtime.serve.decode import decode_into, u16_view

@@ -38,9 +38,13 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["zipmoe_experts_forward", "register", "SwitchExperts", "IMPLEMENTATION", "routed_indices",
-           "switch_indices", "per_expert"]
+           "switch_indices", "per_expert", "FAST_IMPLEMENTATION", "zipmoe_grouped_mm_forward"]
 
 IMPLEMENTATION = "zipmoe"
+# ``kernels="fast"`` (``--kernels fast``): transformers' own grouped_mm experts function over the
+# layer's experts as they sit in the full pool's slot tensor (serve/slots.py); bit-identical to
+# transformers with ``experts_implementation="grouped_mm"``, not to the eager loop
+FAST_IMPLEMENTATION = "zipmoe_grouped_mm"
 
 
 def routed_indices(top_k_index: torch.Tensor, num_experts: int, pin_memory: bool = False):
@@ -111,6 +115,9 @@ def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    hook = getattr(self, "_zipmoe_break", None)
+    if hook is not None:  # a CUDA graph capture breaks here (serve/graphs.py)
+        return hook(self, hidden_states, top_k_index, top_k_weights)
     rt = self._zipmoe_runtime
     layer = self._zipmoe_layer
     final_hidden_states = torch.zeros_like(hidden_states)
@@ -159,12 +166,36 @@ def _as_reference(weights, grad: bool):
     return out
 
 
+class _LayerWeights:
+    """The experts module with its (meta) weights replaced by the layer's slot views."""
+
+    def __init__(self, module, gate_up, down) -> None:
+        self._module = module
+        self.gate_up_proj = gate_up
+        self.down_proj = down
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def zipmoe_grouped_mm_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm_experts_forward`` with the layer's [E, 2I, H] and [E, H, I]
+    weights read from the full pool's slots (every expert resident: ``kernels="fast"`` loads so)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    gate_up, down = self._zipmoe_runtime.slots.layer_views(self._zipmoe_layer)
+    return grouped_mm_experts_forward(_LayerWeights(self, gate_up, down), hidden_states, top_k_index, top_k_weights)
+
+
 def register() -> None:
-    """Register the runtime's experts function with transformers (idempotent)."""
+    """Register the runtime's experts functions with transformers (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ExpertsInterface.register(IMPLEMENTATION, zipmoe_experts_forward)
+    if FAST_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(FAST_IMPLEMENTATION, zipmoe_grouped_mm_forward)
 
 
 class SwitchExperts(nn.Module):

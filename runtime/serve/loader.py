@@ -34,7 +34,7 @@ from zipmoe import machine
 from zipmoe.units import parse_size
 
 from zipmoe.runtime.serve import dtypes
-from zipmoe.runtime.serve.experts_hook import IMPLEMENTATION, SwitchExperts, register
+from zipmoe.runtime.serve.experts_hook import FAST_IMPLEMENTATION, IMPLEMENTATION, SwitchExperts, register
 from zipmoe.runtime.serve.families import Family, family_for
 
 __all__ = ["load", "requirements", "resolve_device", "params_on_meta"]
@@ -145,7 +145,8 @@ def _experts_modules(model, family: Family, config: dict):
 
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
-         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16"):
+         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", slots=None,
+         kernels: str = "exact"):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -160,10 +161,20 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
     container and the cache's compressed pools; float32 experts are converted (exactly) after
     the merge, and the full pool holds them as float32.
+    ``slots``: hold the full pool in device slot tensors with an expert->slot map
+    (:mod:`.slots`, what CUDA graphs need); default: on CUDA only.
+    ``kernels``: ``"exact"`` (default: the experts computed as transformers' eager loop computes
+    them, bit for bit) or ``"fast"`` (transformers' grouped_mm experts function over the slots:
+    bit-identical to transformers with ``experts_implementation="grouped_mm"``, not to eager;
+    fused families only; needs a budget that holds every expert, which it loads at once).
     The tokenizer is None when the container has no tokenizer files.
     """
     from zipmoe.codecs.reader import ContainerReader
 
+    if kernels not in ("exact", "fast"):
+        raise UsageError(f"unknown kernels {kernels!r} (use exact or fast)")
+    if kernels == "fast":
+        slots, warm = True, True
     budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     dev = resolve_device(device)
     workers = machine.decode_workers() if workers is None else int(workers)
@@ -178,7 +189,8 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         raise ContainerError(f"{path}: no such file")
     reader = ContainerReader(path)
     try:
-        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype)
+        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, slots=slots,
+                     kernels=kernels)
     finally:
         reader.close()
 
@@ -207,7 +219,8 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
     return getattr(torch, dtypes.compute_dtype(dtype, cfg))
 
 
-def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False):
+def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
+          slots=None, kernels="exact"):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -242,7 +255,9 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
     compute_dtype = resolve_dtype(dtype, cfg_dict)
     kwargs = {"dtype": compute_dtype}
     if family.kind == "fused":
-        kwargs["experts_implementation"] = IMPLEMENTATION
+        kwargs["experts_implementation"] = FAST_IMPLEMENTATION if kernels == "fast" else IMPLEMENTATION
+    elif kernels == "fast":
+        raise UsageError(f"--kernels fast serves the fused families only, not {family.name}")
     with params_on_meta():
         model = auto.from_config(config, **kwargs)
     # parameters keep requires_grad=True, as from_pretrained leaves them: aten's linear picks
@@ -310,7 +325,15 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
+        slots=slots,
     )
+    if kernels == "fast" and rt.pools["full"] < rt.expert_bytes_full:
+        from zipmoe.units import format_size
+
+        need = budget_bytes + rt.expert_bytes_full - rt.pools["full"]
+        rt.close()
+        raise UsageError(f"--kernels fast needs every expert resident: a budget of at least {format_size(need)} "
+                         f"({need} bytes), {format_size(budget_bytes)} was given")
     try:
         state = {}
         for entry, key, target in to_load:

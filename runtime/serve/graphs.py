@@ -1,0 +1,459 @@
+"""A decode step replayed from CUDA graphs, with logits ``torch.equal`` to the eager step.
+
+The eager step (:func:`eager_step`) is one forward of the served model over a transformers
+``StaticCache``::
+
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+with ``ids`` [batch, 1] and ``mask`` [batch, max_cache_len] (1 for the positions written so
+far and the new one). :class:`GraphedStep` computes the same logits by replaying CUDA graphs:
+
+* piecewise: the model's forward is captured in pieces that break at every sparse block's
+  experts call (the ``_zipmoe_break`` hook of :mod:`.experts_hook`): embeddings, norms,
+  attention with the static cache, the router and the shared expert replay from one graph
+  per piece; the static cache's own device counter (``cumulative_length``) places the new
+  key/values, so the same graphs serve every position;
+* the sparse block at batch 1 is a graph too: the router's ``top_k`` ids are sorted on the
+  device (ascending, the eager loop's order), the experts' slots are read from the
+  device-side expert->slot map (:mod:`.slots`), their weights gathered into static buffers
+  (``index_select``, an exact copy), and each expert computes with the eager loop's own ops
+  (``F.linear`` with the [2I, H] weight, ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with
+  the [H, I] weight, times the routing weight, ``index_add_`` in ascending expert order). The
+  host learns the routing with one small device->host copy per layer, issued before that
+  graph: when every routed expert sits in a slot, the host goes on to the next piece while
+  the GPU computes; otherwise the layer runs the host path (the runtime's scheduler fetches
+  the misses) and its output replaces the graph's;
+* at batch > 1 the number of tokens each expert gets depends on the routing, and so do the
+  eager loop's ``F.linear`` shapes: one graph per (rank among the layer's hit experts, token
+  count) is captured (:class:`_Grouped`), and the host, once it has the routing (the same
+  small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
+  into one index buffer and replays the graphs of the layer's experts in ascending order:
+  the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
+  runs the host path. Opt-in (``batched_sparse=True``) until verified on a GPU: see
+  :data:`BATCHED_SPARSE`; by default batch > 1 runs every sparse block on the host path.
+
+The first call runs the eager step (warm-up); the second captures (and computes its step
+while capturing: each piece is replayed as soon as it is captured); later calls replay.
+Anything else falls back to the eager step (:func:`supported`): the CPU, a batch outside
+:data:`BATCHES`, a model that is not a fused-family zipmoe model with device slots, or an
+activation trace being recorded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
+
+BATCHES = (1, 2, 3, 4, 8)
+# Batch > 1 sparse blocks from graphs (_Grouped): off by default until a GPU run shows them
+# bit-identical. The first version shared the pieces' memory pool and was not (H200,
+# 2026-12-01, docs/benchmarks.md); this one has its own pool, not yet run on a GPU:
+# `pytest -m gpu tests/test_graphs.py` checks it (test_graphed_decode_is_bit_identical's
+# batched variant) before this becomes True.
+BATCHED_SPARSE = False
+
+
+def eager_step(model, cache, input_ids, attention_mask):
+    """The reference decode step: one forward over the static cache."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits
+
+
+def static_mask(attention_mask, position_ids, context: int):
+    """The decode loop's mask as a [batch, context] mask (what the graphs take).
+
+    ``attention_mask``: None (no padding: every position up to ``position_ids``) or the
+    [batch, kv_length] mask of every position so far; transformers pads it with zeros to the
+    static cache's length itself (``prepare_padding_mask``), so the padded mask builds the same
+    4-D mask. ``position_ids``: [batch, 1]."""
+    b = position_ids.shape[0]
+    if attention_mask is None:
+        ar = torch.arange(context, device=position_ids.device)[None]
+        return (ar <= position_ids.reshape(b, -1)[:, -1:]).to(torch.int64)
+    n = attention_mask.shape[-1]
+    if n > context:
+        raise ValueError(f"attention_mask has {n} positions; the static cache holds {context}")
+    out = torch.zeros((b, context), dtype=torch.int64, device=attention_mask.device)
+    out[:, :n] = attention_mask
+    return out
+
+
+def _experts_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "_zipmoe_layer") and hasattr(m, "gate_up_proj")]
+
+
+def why_not(model, batch: int) -> str | None:
+    """Why :class:`GraphedStep` cannot serve ``model`` at ``batch`` (None when it can)."""
+    rt = getattr(model, "zipmoe", None)
+    if rt is None:
+        return "not a zipmoe model"
+    if rt.device.type != "cuda" or not torch.cuda.is_available():
+        return "CUDA graphs need a CUDA device"
+    if rt.family.kind != "fused" or getattr(model.config, "is_encoder_decoder", False):
+        return f"{rt.family.name} is not served through the fused experts hook"
+    if rt.slots is None:
+        return "the full pool has no device slots (budget leaves it empty)"
+    if batch not in BATCHES:
+        return f"batch {batch} is not one of {BATCHES}"
+    if rt._trace is not None:
+        return "an activation trace is being recorded"
+    if not _experts_modules(model):
+        return "no experts modules"
+    return None
+
+
+def supported(model, batch: int) -> bool:
+    return why_not(model, batch) is None
+
+
+class _Sparse:
+    """One experts call of the captured forward: its static tensors and its graph (batch 1)."""
+
+    __slots__ = ("module", "layer", "hidden", "ids", "weights", "out", "graph", "grouped")
+
+    def __init__(self, module, hidden, ids, weights, out) -> None:
+        self.module = module
+        self.layer = module._zipmoe_layer
+        self.hidden, self.ids, self.weights, self.out = hidden, ids, weights, out
+        self.graph = None
+        self.grouped = None
+
+
+class _Grouped:
+    """Batch > 1: one small graph per (rank ``j`` among the layer's hit experts, token count ``m``).
+
+    Graph ``(j, m)`` computes the ``j``-th hit expert (ascending ids) over ``m`` tokens with the
+    eager loop's ops: ``hidden[token_idx]``, ``F.linear`` with its [2I, H] weight (gathered from
+    its slot into a static buffer), ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with the
+    [H, I] weight, times ``top_k_weights[token_idx, top_k_pos, None]``, ``index_add_`` into the
+    output. The host, which learns the routing anyway, writes every hit expert's
+    ``(top_k_pos, token_idx)`` (in ``torch.where``'s order, :func:`.experts_hook.routed_indices`)
+    and its slots into one index buffer (one host->device copy), then replays the graphs of
+    the layer's hit experts in ascending order: the same ``F.linear`` shapes, the same
+    accumulation order as the eager loop. Shared by every layer whose tensors have the same
+    shapes (the layer's hidden states and routing weights are copied into its static inputs).
+    """
+
+    def __init__(self, step, sp: _Sparse) -> None:
+        slots = step.slots
+        tokens = sp.hidden.shape[0]
+        k = sp.ids.shape[1]
+        self.b = tokens
+        self.J = min(tokens * k, step.rt.num_experts)
+        dev = sp.hidden.device
+        self.hid = torch.empty_like(sp.hidden)
+        self.wts = torch.empty_like(sp.weights)
+        self.out = torch.empty_like(sp.hidden)
+        width = 2 * tokens + 2
+        self.idx = torch.zeros((self.J, width), dtype=torch.int64, device=dev)
+        self.idx_host = torch.zeros((self.J, width), dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.arenas = {u: slots.arena_of(sp.layer, u) for u in ("gate_up", "down")}
+        self.w = {u: torch.empty((1, *a.shape), dtype=a.data.dtype, device=dev) for u, a in self.arenas.items()}
+        self.act_fn = sp.module.act_fn
+        # their own memory pool: these graphs are replayed in any order and once per layer, after
+        # pieces captured later; in the pieces' pool their temporaries would alias the live
+        # tensors of those pieces (measured on the H200: wrong logits from the capture step on)
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.graphs: dict = {}
+        for m in range(1, tokens + 1):  # warm-up (lazy library state), then capture
+            self._body(0, m)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        for j in range(self.J):
+            for m in range(1, tokens + 1):
+                self.graphs[(j, m)] = self._graph(self.pool, lambda j=j, m=m: self._body(j, m))
+
+    @staticmethod
+    def _graph(pool, fn):
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        fn()
+        g.capture_end()
+        return g
+
+    @staticmethod
+    def key(sp: _Sparse, slots) -> tuple:
+        return (tuple(sp.hidden.shape), sp.hidden.dtype, tuple(sp.weights.shape), sp.weights.dtype,
+                slots.key_of[(sp.layer, "gate_up")], slots.key_of[(sp.layer, "down")], type(sp.module.act_fn))
+
+    def _body(self, j: int, m: int) -> None:
+        b = self.b
+        row = self.idx[j]
+        top_k_pos, token_idx = row[0:m], row[b:b + m]
+        gate_up, down = self.w["gate_up"], self.w["down"]
+        torch.index_select(self.arenas["gate_up"].data, 0, row[2 * b:2 * b + 1], out=gate_up)
+        torch.index_select(self.arenas["down"].data, 0, row[2 * b + 1:2 * b + 2], out=down)
+        current_state = self.hid[token_idx]
+        gate, up = F.linear(current_state, gate_up[0]).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        h = F.linear(h, down[0])
+        h = h * self.wts[token_idx, top_k_pos, None]
+        self.out.index_add_(0, token_idx, h.to(self.out.dtype))
+
+    def run(self, sp: _Sparse, experts: list, index, sizes: list, slots) -> None:
+        """Write the layer's routing into the index buffer and replay its hit experts' graphs."""
+        b = self.b
+        host = self.idx_host.numpy()
+        pos = index[0].numpy()
+        tok = index[1].numpy()
+        r = slots.row[sp.layer]
+        gu, dn = slots.host["gate_up"][r], slots.host["down"][r]
+        off = 0
+        for j, (e, m) in enumerate(zip(experts, sizes)):
+            host[j, 0:m] = pos[off:off + m]
+            host[j, b:b + m] = tok[off:off + m]
+            host[j, 2 * b] = gu[e]
+            host[j, 2 * b + 1] = dn[e]
+            off += m
+        self.idx.copy_(self.idx_host, non_blocking=True)
+        self.hid.copy_(sp.hidden)
+        self.wts.copy_(sp.weights)
+        self.out.zero_()
+        for j, m in enumerate(sizes):
+            self.graphs[(j, m)].replay()
+        sp.out.copy_(self.out)
+
+
+class GraphedStep:
+    """``step(input_ids, cache_position, attention_mask=None) -> logits`` from CUDA graphs.
+
+    With ``context=`` (how :class:`zipmoe.runtime.serve.loop.DecodeLoop` builds it) the step
+    follows the loop's hook instead: ``step(input_ids [batch, 1], position_ids [batch, 1],
+    attention_mask) -> [batch, vocab]`` logits of what ``DecodeLoop.forward`` computes
+    (``position_ids`` and ``logits_to_keep=1`` passed to the model; the mask None or the
+    [batch, kv_length] mask so far, made [batch, context] by :func:`static_mask`).
+
+    ``cache``: the transformers StaticCache the prefill filled (the graphs hold its tensors).
+    ``attention_mask`` [batch, max_cache_len]; None means every position up to
+    ``cache_position`` (no padding). ``graph_sparse=False`` runs every sparse block on the host
+    path (for comparisons); ``batched_sparse`` (default :data:`BATCHED_SPARSE`) graphs the
+    sparse blocks at batch > 1 (:class:`_Grouped`).
+    """
+
+    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None,
+                 *, context: int | None = None) -> None:
+        reason = why_not(model, batch)
+        if reason is not None:
+            raise ValueError(f"GraphedStep cannot serve this model: {reason}")
+        self.model = model
+        self.cache = cache
+        self.batch = int(batch)
+        self.rt = model.zipmoe
+        self.slots = self.rt.slots
+        self.graph_sparse = graph_sparse and self.batch == 1
+        self.graph_grouped = graph_sparse and self.batch > 1 and (BATCHED_SPARSE if batched_sparse is None else batched_sparse)
+        self._grouped: dict = {}
+        self.modules = _experts_modules(model)
+        self.calls = 0
+        self.pieces: list = []
+        self.sparse: list[_Sparse] = []
+        self.stream = torch.cuda.Stream(device=self.rt.device)
+        self.pool = None
+        self.s_ids = self.s_mask = self.s_logits = None
+        self.ctx = None
+        self.loop_mode = context is not None
+        self.s_pos = None
+        # batch 1's sparse graphs: static weight buffers shared by every layer of one kind
+        self._w: dict = {}
+        self._ids_host = None
+        self._event = torch.cuda.Event()
+        self.stats = {"graphed_layers": 0, "host_layers": 0}
+
+    # ------------------------------------------------------------------ public
+    def __call__(self, input_ids, cache_position, attention_mask=None):
+        with torch.no_grad():
+            if self.loop_mode:
+                pos = cache_position.reshape(self.batch, 1)
+                if self.ctx is None:
+                    self.ctx = int(self.cache.layers[0].max_cache_len)
+                attention_mask = static_mask(attention_mask, pos, self.ctx)
+            else:
+                pos = None
+            mask = self._mask(input_ids, cache_position, attention_mask)
+            self.calls += 1
+            if self.calls == 1:  # warm-up: the eager step, on the capture stream
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    logits = self._forward(input_ids, pos, mask)
+                torch.cuda.current_stream().wait_stream(self.stream)
+                return self._out(logits)
+            if not self.pieces:
+                return self._out(self._capture(input_ids, pos, mask))
+            self.s_ids.copy_(input_ids)
+            self.s_mask.copy_(mask)
+            if pos is not None:
+                self.s_pos.copy_(pos)
+            for piece, sp in zip(self.pieces, self.sparse):
+                piece.replay()
+                self._sparse_step(sp)
+            self.pieces[-1].replay()
+            return self._out(self.s_logits.clone())
+
+    def _out(self, logits):
+        return logits[:, -1] if self.loop_mode else logits
+
+    def _forward(self, ids, pos, mask):
+        """The eager step (with the loop's position ids and logits_to_keep in loop mode)."""
+        if pos is None:
+            return eager_step(self.model, self.cache, ids, mask)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                          use_cache=True, logits_to_keep=1).logits
+
+    def _mask(self, input_ids, cache_position, attention_mask):
+        if input_ids.shape != (self.batch, 1):
+            raise ValueError(f"GraphedStep takes input ids of shape [{self.batch}, 1], got {list(input_ids.shape)}")
+        if self.ctx is None:
+            self.ctx = int(self.cache.layers[0].max_cache_len)
+        if attention_mask is None:
+            pos = cache_position.reshape(-1)[-1]
+            row = torch.arange(self.ctx, device=input_ids.device) <= pos
+            return row.to(torch.int64).unsqueeze(0).expand(self.batch, -1)
+        if attention_mask.shape != (self.batch, self.ctx):
+            raise ValueError(f"attention_mask must be [{self.batch}, {self.ctx}] (the static cache's length), "
+                             f"got {list(attention_mask.shape)}")
+        return attention_mask
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, input_ids, pos, mask):
+        self.s_ids = input_ids.clone()
+        self.s_mask = mask.clone()
+        self.s_pos = None if pos is None else pos.clone()
+        self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for m in self.modules:
+            m._zipmoe_break = self._break
+        try:
+            with torch.cuda.stream(self.stream):
+                self._cur = self._begin()
+                self.s_logits = self._forward(self.s_ids, self.s_pos, self.s_mask)
+                self._end_piece()
+        finally:
+            for m in self.modules:
+                m._zipmoe_break = None
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
+        return self.s_logits.clone()
+
+    def _begin(self):
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        return g
+
+    def _end_piece(self):
+        g = self._cur
+        g.capture_end()
+        self.pieces.append(g)
+        g.replay()  # the piece's real work: its outputs feed what comes next
+
+    def _break(self, module, hidden, ids, weights):
+        """The experts call during capture: end this piece, set up the sparse block, start the next."""
+        self._end_piece()
+        sp = _Sparse(module, hidden, ids, weights, torch.zeros_like(hidden))
+        slotted = all(a.slots > 0 for a in self.slots.arenas.values())  # else a gather could point nowhere
+        if self.graph_sparse and slotted:
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            self._sparse_graph_body(sp)
+            g.capture_end()
+            sp.graph = g
+        elif self.graph_grouped and slotted:
+            key = _Grouped.key(sp, self.slots)
+            if key not in self._grouped:
+                self._grouped[key] = _Grouped(self, sp)
+            sp.grouped = self._grouped[key]
+        self.sparse.append(sp)
+        self._sparse_step(sp)
+        self._cur = self._begin()
+        return sp.out
+
+    def _buffers(self, layer, k: int):
+        bufs = []
+        for unit in self.slots.units:
+            arena = self.slots.arena_of(layer, unit)
+            key = (unit, arena.shape)
+            if key not in self._w:
+                self._w[key] = torch.empty((k, *arena.shape), dtype=arena.data.dtype, device=arena.data.device)
+            bufs.append((unit, arena, self._w[key]))
+        return bufs
+
+    def _sparse_graph_body(self, sp: _Sparse) -> None:
+        """Batch 1, every routed expert in a slot: the eager loop's ops on gathered weights."""
+        mod = sp.module
+        slots = self.slots
+        row = slots.row[sp.layer]
+        sorted_ids, perm = torch.sort(sp.ids[0])  # ascending expert ids, their top-k positions
+        w = {}
+        for unit, arena, buf in self._buffers(sp.layer, sp.ids.shape[1]):
+            idx = slots.maps[unit][row].index_select(0, sorted_ids).clamp_(min=0)  # -1 (a miss): any slot; the host redoes it
+            torch.index_select(arena.data, 0, idx, out=buf)
+            w[unit] = buf
+        gate_up, down = w["gate_up"], w["down"]
+        out = sp.out
+        out.zero_()
+        token_idx = torch.zeros(1, dtype=torch.int64, device=out.device)
+        current_state = sp.hidden[token_idx]
+        act_fn = mod.act_fn
+        for j in range(gate_up.shape[0]):
+            top_k_pos = perm[j:j + 1]
+            gate, up = F.linear(current_state, gate_up[j]).chunk(2, dim=-1)
+            h = act_fn(gate) * up
+            h = F.linear(h, down[j])
+            h = h * sp.weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, h.to(out.dtype))
+
+    # ------------------------------------------------------------------ one sparse block
+    def _sparse_step(self, sp: _Sparse) -> None:
+        rt = self.rt
+        if sp.graph is not None:
+            t0 = time.perf_counter()
+            if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
+                self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
+            self._ids_host.copy_(sp.ids, non_blocking=True)
+            self._event.record()
+            sp.graph.replay()  # speculative: every routed expert resident
+            self._event.synchronize()
+            experts = sorted(set(self._ids_host[0].tolist()))
+            if all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
+                cache, counters = rt.cache, rt.counters
+                for e in experts:
+                    for t in rt.expert_tensors[(sp.layer, e)]:
+                        cache.touch(t.uid)
+                        counters.add_hit("full")
+                counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
+                self.stats["graphed_layers"] += 1
+                return
+        elif sp.grouped is not None:
+            t0 = time.perf_counter()
+            if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
+                self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
+            self._ids_host.copy_(sp.ids, non_blocking=True)
+            self._event.record()
+            self._event.synchronize()
+            from zipmoe.runtime.serve.experts_hook import routed_indices
+
+            experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
+            if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
+                sp.grouped.run(sp, experts, index, sizes, self.slots)
+                cache, counters = rt.cache, rt.counters
+                for e in experts:
+                    for t in rt.expert_tensors[(sp.layer, e)]:
+                        cache.touch(t.uid)
+                        counters.add_hit("full")
+                counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
+                self.stats["graphed_layers"] += 1
+                return
+        # the host path: the runtime's experts function (fetches misses), its output replaces the graph's
+        from zipmoe.runtime.serve.experts_hook import zipmoe_experts_forward
+
+        hook = getattr(sp.module, "_zipmoe_break", None)
+        sp.module._zipmoe_break = None
+        try:
+            res = zipmoe_experts_forward(sp.module, sp.hidden, sp.ids, sp.weights)
+        finally:
+            sp.module._zipmoe_break = hook
+        sp.out.copy_(res)
+        self.stats["host_layers"] += 1
