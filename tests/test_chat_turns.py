@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from zipmoe.runtime.serve.hf_compat import cache_kw
 from zipmoe_cli.app import main
 
 from test_runtime_fixtures import container, reference
@@ -69,7 +70,7 @@ def _reference_conversation(src, prompts, *, system, context, max_new):
             cache.crop(-(length - keep))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = ref.generate(**enc, cache=cache, max_new_tokens=max_new, do_sample=False)
+            out = ref.generate(**enc, **{cache_kw(ref): cache}, max_new_tokens=max_new, do_sample=False)
         new = out[0, len(ids):].tolist()
         held = (ids + new)[: int(cache.get_seq_length())]
         text = tok.decode(new, skip_special_tokens=True)

@@ -18,6 +18,7 @@ import torch
 
 import zipmoe
 from zipmoe.errors import UsageError
+from zipmoe.runtime.serve.hf_compat import cache_kw
 from zipmoe.runtime.serve.loader import requirements
 from zipmoe.runtime.serve.loop import ContextFull, DecodeLoop, kv_cache_bytes
 
@@ -43,7 +44,7 @@ def _ref_generate(ref, batch: dict, steps: int, context: int = CONTEXT, cache=No
     args.update(kw)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return ref.generate(**batch, cache=cache, **args)
+        return ref.generate(**batch, **{cache_kw(ref): cache}, **args)
 
 
 def _check(loop_res, ref_out, prompt_len: int, what: str) -> None:
@@ -343,7 +344,7 @@ def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
             # as graphs.GraphedStep runs it: the [batch, context] mask of the positions so far
             ctx = self.loop.cache.layers[0].max_cache_len
             row = (torch.arange(ctx) <= int(cache_position.reshape(-1)[-1])).long()[None].expand(self.loop.batch, -1)
-            return model(input_ids=input_ids, attention_mask=row, cache=self.loop.cache, use_cache=True).logits
+            return model(input_ids=input_ids, attention_mask=row, use_cache=True, **{cache_kw(model): self.loop.cache}).logits
 
     try:
         for b, padded in ((1, False), (4, False), (4, True)):

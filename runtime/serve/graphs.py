@@ -46,6 +46,8 @@ import time
 import torch
 from torch.nn import functional as F
 
+from zipmoe.runtime.serve.hf_compat import cache_kw
+
 __all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
 
 BATCHES = (1, 2, 3, 4, 8)
@@ -59,7 +61,7 @@ BATCHED_SPARSE = False
 
 def eager_step(model, cache, input_ids, attention_mask):
     """The reference decode step: one forward over the static cache."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True).logits
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_kw(model): cache}).logits
 
 
 def static_mask(attention_mask, position_ids, context: int):
@@ -299,8 +301,8 @@ class GraphedStep:
         """The eager step (with the loop's position ids and logits_to_keep in loop mode)."""
         if pos is None:
             return eager_step(self.model, self.cache, ids, mask)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                          use_cache=True, logits_to_keep=1).logits
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                          **{cache_kw(self.model): self.cache}).logits
 
     def _mask(self, input_ids, cache_position, attention_mask):
         if input_ids.shape != (self.batch, 1):

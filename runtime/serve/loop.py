@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zipmoe.errors import UsageError
+from zipmoe.runtime.serve.hf_compat import cache_kw
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "kv_cache_bytes", "loop_generate",
            "model_max_context"]
@@ -249,7 +250,7 @@ class DecodeLoop:
         subclasses or the CUDA graphs replace it."""
         kw = {"logits_to_keep": 1} if self._keep else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=self.cache, use_cache=True, **kw)
+                         use_cache=True, **{cache_kw(self.model): self.cache}, **kw)
         return out.logits[:, -1]
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, single: bool) -> torch.Tensor:
