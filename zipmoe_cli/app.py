@@ -42,7 +42,7 @@ def _root(
 
 def _register() -> None:
     # Imported for their side effect: each module adds its command to `app`.
-    from . import analyze, bench, chat, pack, plan, synth, unpack, verify  # noqa: F401
+    from . import analyze, bench, chat, pack, plan, serve, synth, unpack, verify  # noqa: F401
 
 
 def _fail(message: str, code: int) -> None:
