@@ -120,7 +120,7 @@ def serve(
 
     state = ServerState(cfg, on_fatal=on_fatal, on_ready=on_ready)
     asgi = build_app(state)
-    server = _make_server(asgi, log_level.lower(), shutdown_timeout)
+    server = _make_server(asgi, log_level.lower(), shutdown_timeout, state.begin_shutdown)
     server_box["server"] = server
     import asyncio
 
@@ -128,6 +128,7 @@ def serve(
         asyncio.run(server.serve(sockets=[sock]))
     finally:
         sock.close()
+        state.stop()  # after a forced exit the lifespan's shutdown may not have run: cancel, end the model thread
     if state.load_error is not None:
         raise state.load_error
     _say("zipmoe serve: stopped")
@@ -164,7 +165,9 @@ def _bind(host: str, port: int):
     return sock
 
 
-def _make_server(asgi, log_level: str, shutdown_timeout: float):
+def _make_server(asgi, log_level: str, shutdown_timeout: float, on_exit):
+    import logging
+
     import sse_starlette.sse  # noqa: F401 - patches uvicorn's exit handler to end SSE streams on shutdown
     import uvicorn
 
@@ -175,8 +178,11 @@ def _make_server(asgi, log_level: str, shutdown_timeout: float):
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+            on_exit()
+            if self.force_exit:  # a second Ctrl-C: the tasks still running are cancelled, not errors
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL + 1)
 
     config = uvicorn.Config(asgi, log_level=log_level, access_log=log_level in ("info", "debug", "trace"),
-                            timeout_graceful_shutdown=max(1, int(shutdown_timeout + 2)), lifespan="on",
+                            timeout_graceful_shutdown=int(shutdown_timeout + 5), lifespan="on",
                             server_header=False)
     return _Server(config)

@@ -126,15 +126,24 @@ class ServerState:
             else int(model.config.vocab_size)
         self.engine.attach(stepper, tokenizer, context=self.context, eos_ids=_eos_ids(model, tokenizer))
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM/Ctrl-C: refuse new requests (503); cancel those still running after the timeout."""
+        if self.stopping:
+            return
+        self.stopping = True
+        timer = threading.Timer(self.cfg.shutdown_timeout, self.engine.cancel_all)
+        timer.daemon = True
+        timer.start()
+
     def stop(self) -> None:
         """Cancel what is left, end the model thread, close the runtime (lifespan shutdown)."""
         self.stopping = True
         self.engine.stop()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.cfg.shutdown_timeout + 30)
         rt = getattr(self.model, "zipmoe", None) if self.model is not None else None
         if rt is not None and (self._thread is None or not self._thread.is_alive()):
-            rt.close()
+            rt.close()  # idempotent
 
     # ------------------------------------------------------------------ requests
     def sampling(self, body, prompt_len: int) -> SamplingParams:
@@ -454,7 +463,9 @@ def _stream(state: ServerState, body, gen: Generation, events: _Events, rid: str
             if not gen.done:
                 gen.cancel()  # the client went away (or the server stops): free the slot at the next step
 
-    return EventSourceResponse(events_out(), ping=15, sep="\n", shutdown_grace_period=cfg.shutdown_timeout,
+    # on shutdown the engine cancels what runs after --shutdown-timeout; sse-starlette's own cut
+    # comes a little later, as a backstop
+    return EventSourceResponse(events_out(), ping=15, sep="\n", shutdown_grace_period=cfg.shutdown_timeout + 2,
                                shutdown_event=_anyio_event())
 
 

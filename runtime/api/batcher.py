@@ -155,6 +155,13 @@ class Engine:
         """The engine's loop, on the calling thread, until :meth:`stop`."""
         self._loop()
 
+    def cancel_all(self) -> None:
+        """Cancel every request queued or running (they end at the next step as ``cancelled``)."""
+        with self._cond:
+            for r in list(self._waiting) + list(self._rows):
+                r.cancel()
+            self._cond.notify_all()
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever is still queued or running, and end the model thread."""
         with self._cond:
@@ -178,12 +185,15 @@ class Engine:
                     self._waiting.clear()
                     self._rows = []
                     return
+                gone = [r for r in self._waiting if r.cancelled]
+                if gone:
+                    self._waiting = deque(r for r in self._waiting if not r.cancelled)
                 take: list[Request] = []
                 if batch is None or self.stepper.can_join:
                     while self._waiting and len(self._rows) + len(take) < self.max_batch:
                         take.append(self._waiting.popleft())
             try:
-                for r in [r for r in take if r.cancelled]:
+                for r in gone + [r for r in take if r.cancelled]:
                     self._finish(r, "cancelled")
                 take = [r for r in take if not r.cancelled]
                 if take:
