@@ -49,13 +49,14 @@ def register() -> None:
     """Add every command to :data:`app` (once), in the order ``zipmoe --help`` lists them."""
     if app.registered_commands:
         return
-    from . import analyze, bench, chat, pack, plan, synth, unpack, verify
+    from . import analyze, bench, chat, pack, plan, serve, synth, unpack, verify
 
     app.command(name="analyze")(analyze.analyze)
     app.command(name="bench")(bench.bench)
     app.command(name="chat")(chat.chat)
     app.command(name="pack")(pack.pack)
     app.command(name="plan")(plan.plan)
+    app.command(name="serve")(serve.serve)
     app.command(name="synth", help=synth.HELP)(synth.synth)
     app.command(name="unpack")(unpack.unpack)
     app.command(name="verify")(verify.verify)

@@ -1,0 +1,324 @@
+"""The batching engine: one model thread serves every request, in batches of up to ``max_batch``.
+
+The HTTP side (asyncio) only *submits* :class:`Request` objects and reads the events they
+emit; all model work happens on the engine's own thread, through a stepper
+(:mod:`.stepper`). One turn of the engine's loop:
+
+1. **admit**: the requests waiting in the queue, up to the free slots, are prefilled together
+   (one forward over their left-padded prompts), get their first token, and join the running
+   batch (its KV cache and theirs are padded to one length and concatenated). A request that
+   arrives while a batch decodes therefore waits at most one decode step to join it; when
+   every slot is taken it waits in the queue (first come, first served) until a row finishes.
+   (With a cache the stepper cannot re-pad, ``can_join`` is False and newcomers wait until
+   the running batch has finished.)
+2. **drop**: rows that finished (end of sequence, a stop string, ``max_tokens``, the context
+   limit) or were cancelled (their client went away) leave the batch, freeing their slots.
+3. **step**: one decode step for every row left; each row samples its next token.
+
+Sampling is per row: greedy (temperature 0) is ``argmax`` of the logits (so a lone greedy
+request returns exactly ``zipmoe chat --greedy``'s tokens); otherwise the logits are divided by
+the temperature, cut to the top-p nucleus and sampled with the request's own generator (seeded
+by ``seed`` when given, so a seeded request is reproducible when it runs alone).
+
+Events go to ``Request.sink(kind, payload)``, called on the model thread: ``("delta", text)``
+for new text (held back while it may still turn into a stop string or ends in half a
+character), then exactly one of ``("done", None)`` (``finish_reason`` and counts on the
+request) or ``("error", message)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Engine", "Request", "SamplingParams", "QueueFull"]
+
+log = logging.getLogger("zipmoe.serve")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine accepts."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: list = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One generation: the prompt's token ids, how to sample, and what came out."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, sink=None) -> None:
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.sink = sink or (lambda kind, payload: None)
+        self.cancelled = False
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent = ""  # text already handed out as deltas
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (thread-safe: a flag)."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_submit
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_ids)
+        if n < 2 or self.t_first is None or self.t_last is None:
+            return None
+        return (self.t_last - self.t_first) / (n - 1)
+
+
+class Engine:
+    """Runs requests on one thread. ``stepper`` and ``tokenizer`` may be given later (:meth:`attach`),
+    once the model has loaded; requests submitted before wait."""
+
+    def __init__(self, *, max_batch: int = 8, max_waiting: int = 256, context: int = 2048,
+                 eos_ids=(), metrics=None, lock=None) -> None:
+        self.max_batch = max(1, int(max_batch))
+        self.max_waiting = int(max_waiting)
+        self.context = int(context)
+        self.eos_ids = set(eos_ids)
+        self.metrics = metrics
+        self.lock = lock or threading.Lock()  # held while the tokenizer decodes (shared with the HTTP side)
+        self.stepper = None
+        self.tokenizer = None
+        self._waiting: deque[Request] = deque()
+        self._rows: list[Request] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ the HTTP side
+    def attach(self, stepper, tokenizer, *, context: int | None = None, eos_ids=None) -> None:
+        with self._cond:
+            self.stepper, self.tokenizer = stepper, tokenizer
+            if context is not None:
+                self.context = int(context)
+            if eos_ids is not None:
+                self.eos_ids = set(eos_ids)
+            self._cond.notify_all()
+
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-waiting)")
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        """Run :meth:`run` on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="zipmoe-model", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        """The engine's loop, on the calling thread, until :meth:`stop`."""
+        self._loop()
+
+    def cancel_all(self) -> None:
+        """Cancel every request queued or running (they end at the next step as ``cancelled``)."""
+        with self._cond:
+            for r in list(self._waiting) + list(self._rows):
+                r.cancel()
+            self._cond.notify_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel whatever is still queued or running, and end the model thread."""
+        with self._cond:
+            self._stopping = True
+            for r in list(self._waiting) + list(self._rows):
+                r.cancel()
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the model thread
+    def _loop(self) -> None:
+        batch = None
+        while True:
+            with self._cond:
+                while not self._stopping and (self.stepper is None or (not self._rows and not self._waiting)):
+                    self._cond.wait()
+                if self._stopping:
+                    for r in list(self._waiting) + self._rows:
+                        self._finish(r, "cancelled")
+                    self._waiting.clear()
+                    self._rows = []
+                    return
+                gone = [r for r in self._waiting if r.cancelled]
+                if gone:
+                    self._waiting = deque(r for r in self._waiting if not r.cancelled)
+                take: list[Request] = []
+                if batch is None or self.stepper.can_join:
+                    while self._waiting and len(self._rows) + len(take) < self.max_batch:
+                        take.append(self._waiting.popleft())
+            try:
+                for r in gone + [r for r in take if r.cancelled]:
+                    self._finish(r, "cancelled")
+                take = [r for r in take if not r.cancelled]
+                if take:
+                    batch = self._admit(batch, take)
+                batch = self._drop(batch)
+                if self._rows:
+                    self._step(batch)
+                    batch = self._drop(batch)
+            except Exception as exc:  # the model failed (e.g. a corrupted chunk): fail these rows, go on
+                log.error("generation failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                for r in self._rows + take:
+                    if not r.done:
+                        r.error = message
+                        self._emit_end(r, "error", message)
+                with self._cond:
+                    self._rows = []
+                batch = None
+
+    def _admit(self, batch, take: list[Request]):
+        t0 = time.perf_counter()
+        new, logits = self.stepper.prefill([r.prompt_ids for r in take])
+        if self.metrics is not None:
+            self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
+        for i, r in enumerate(take):
+            if r.params.seed is not None or r.params.temperature > 0:
+                r.generator = torch.Generator(device=logits.device)
+                if r.params.seed is not None:
+                    r.generator.manual_seed(int(r.params.seed))
+                else:
+                    r.generator.seed()
+            self._accept(r, self._sample(r, logits[i]), len(r.prompt_ids) + 1)
+        with self._cond:
+            if batch is None:
+                self._rows = list(take)
+                return new
+            self._rows = self._rows + list(take)
+        return self.stepper.join(batch, new)
+
+    def _drop(self, batch):
+        keep = [i for i, r in enumerate(self._rows) if not r.done and not r.cancelled]
+        if len(keep) == len(self._rows):
+            return batch
+        for r in self._rows:
+            if r.cancelled and not r.done:
+                self._finish(r, "cancelled")
+        with self._cond:
+            rows = [self._rows[i] for i in keep]
+            self._rows = rows
+        if not keep:
+            return None
+        return self.stepper.select(batch, keep)
+
+    def _step(self, batch) -> None:
+        rows = list(self._rows)
+        t0 = time.perf_counter()
+        logits = self.stepper.step(batch, [r.token_ids[-1] for r in rows])
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.step(len(rows), time.perf_counter() - t0)
+        for i, r in enumerate(rows):
+            self._accept(r, self._sample(r, logits[i]), len(r.prompt_ids) + len(r.token_ids) + 1)
+
+    # ------------------------------------------------------------------ one row
+    @staticmethod
+    def _sample(r: Request, logits: torch.Tensor) -> int:
+        p = r.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits).item())
+        scores = logits.float() / float(p.temperature)
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            cut = (probs.cumsum(-1) - probs) >= p.top_p
+            sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=r.generator).item())
+
+    def _accept(self, r: Request, token: int, length: int) -> None:
+        """Record a new token of ``r`` (``length``: prompt + answer tokens so far), emit its text
+        and decide whether the row is finished."""
+        now = time.perf_counter()
+        if r.t_first is None:
+            r.t_first = now
+        r.t_last = now
+        r.token_ids.append(token)
+        reason = None
+        if token in self.eos_ids and not r.params.ignore_eos:
+            reason = "stop"
+        text = self._decode(r.token_ids)
+        for s in r.params.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, reason = text[:at], "stop"
+        if reason is None and (len(r.token_ids) >= r.params.max_tokens or length >= self.context):
+            reason = "length"
+        r.text = text
+        if reason is None:
+            hold = max((len(s) for s in r.params.stop), default=1) - 1
+            safe = text[: len(text) - hold] if hold else text
+            while safe.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+                safe = safe[:-1]
+        else:
+            safe = text
+        if len(safe) > len(r.sent) and safe.startswith(r.sent):
+            delta, r.sent = safe[len(r.sent):], safe
+            r.sink("delta", delta)
+        if reason is not None:
+            self._finish(r, reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.done:
+            return
+        r.finish_reason = reason
+        self._emit_end(r, "done", None)
+
+    def _emit_end(self, r: Request, kind: str, payload) -> None:
+        if self.metrics is not None:
+            self.metrics.finished(r)
+        r.sink(kind, payload)

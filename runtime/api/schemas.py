@@ -1,0 +1,183 @@
+"""Requests the server accepts, checked field by field, and OpenAI-style error bodies.
+
+Bodies are validated with pydantic in strict mode (``"5"`` is not a number, ``true`` is not an
+integer); fields this server does not implement are accepted when they carry their default
+value (clients send ``presence_penalty: 0``, ``logprobs: false``, ``user``, ...) and refused with
+a 400 naming the field otherwise. Every refusal is an :class:`ApiError`, which the app turns into
+``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse", "error_body"]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: StrictStr
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = Field(None, ge=0, le=2)
+    top_p: Optional[Number] = Field(None, gt=0, le=1)
+    n: Optional[StrictInt] = 1
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[dict] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = 0
+    frequency_penalty: Optional[Number] = 0
+    logit_bias: Optional[dict] = None
+    user: Optional[StrictStr] = None
+    # extensions (as in vLLM): ignore the end-of-sequence token; return the token ids
+    ignore_eos: Optional[StrictBool] = False
+    return_token_ids: Optional[StrictBool] = False
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > 4:
+            raise ApiError(400, "at most 4 stop sequences are supported", param="stop")
+        if any(s == "" for s in stops):
+            raise ApiError(400, "stop sequences must not be empty", param="stop")
+        return stops
+
+    def check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError(400, "only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ApiError(400, f"{name} is not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ApiError(400, "seed must be in [0, 2^63)", param="seed")
+        self.stops()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    name: Optional[StrictStr] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Base):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict] = None
+    max_completion_tokens: Optional[StrictInt] = None
+
+    def check(self) -> None:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        self.check_common()
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if self.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only response_format type 'text' is supported", param="response_format")
+
+    def conversation(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Base):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    echo: Optional[StrictBool] = False
+    logprobs: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        """The one prompt (text or token ids); a list of several prompts is refused (n=1 only)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return list(p)
+        if len(p) != 1:
+            raise ApiError(400, "one prompt per request is supported (send several requests)", param="prompt")
+        return p[0] if isinstance(p[0], str) else list(p[0])
+
+
+def parse(cls, data) -> Any:
+    """``cls`` from a decoded JSON body, or an :class:`ApiError` naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        obj = cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not _type_tag(x))
+        msg = err.get("msg", "invalid value")
+        raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
+    obj.check()
+    return obj
+
+
+def _type_tag(x) -> bool:
+    """pydantic's location entries that name a union member's type, not a field."""
+    return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "dict", "TextPart"})

@@ -1,0 +1,163 @@
+"""The one seam between the server's batching engine and the model: prefill, step, drop, join.
+
+The batching engine (:mod:`.batcher`) never calls the model itself; it talks to a *stepper*
+through four calls, so that the decode loop underneath can be swapped (today transformers'
+forward with a ``DynamicCache``; later zipmoe's own loop with a static KV cache) by changing
+this module only:
+
+* ``prefill(prompts) -> (batch, logits)``: run a batch of prompts (lists of token ids, any
+  lengths; left-padded with an attention mask when they differ) and return an opaque batch
+  state and the next-token logits of every row (``[rows, vocab]``, float32);
+* ``step(batch, tokens) -> logits``: feed one token per row, return the next logits;
+* ``select(batch, keep) -> batch``: keep only these rows (finished or cancelled rows leave;
+  padding columns no row needs any more are trimmed away);
+* ``join(running, new) -> batch``: append the rows of a freshly prefilled batch to a running
+  one (the shorter one is left-padded), so that a request arriving while a batch decodes joins
+  it at the next step. ``can_join`` is False for caches this module cannot re-pad; the engine
+  then queues newcomers until the running batch has finished.
+
+A lone request (one row, no padding) is computed exactly as ``model.generate`` computes it —
+the same forward calls with the same shapes (positions ``0..n-1``, no attention mask when
+there is no padding, ``logits_to_keep=1``) — so its greedy tokens are those of
+``zipmoe chat --greedy``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Batch", "TransformersStepper", "context_length"]
+
+
+@dataclass
+class Batch:
+    """Decode state of the rows in flight: the KV cache, the 2-D attention mask (``[rows, length]``,
+    0 where a row is left-padded) and each row's next position."""
+
+    cache: object
+    mask: torch.Tensor
+    positions: torch.Tensor  # [rows] position id of each row's next token
+
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def padded(self) -> bool:
+        return bool((self.mask == 0).any())
+
+
+def context_length(model, tokenizer=None) -> int:
+    """The longest sequence (prompt + answer) the model takes, from its config."""
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    v = getattr(tokenizer, "model_max_length", None)
+    if isinstance(v, int) and 0 < v < 10**7:
+        return v
+    return 2048
+
+
+class TransformersStepper:
+    """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.serve.loader.load`)."""
+
+    def __init__(self, model) -> None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError("encoder-decoder models are not served over HTTP (decoder-only models only)")
+        self.model = model
+        params = set(inspect.signature(model.forward).parameters)
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep = "logits_to_keep" in params
+        self._positions = "position_ids" in params
+        self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        self.can_join = True
+
+    # ------------------------------------------------------------------ the four calls
+    def prefill(self, prompts: list[list[int]]) -> tuple[Batch, torch.Tensor]:
+        from transformers import DynamicCache
+
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        batch = Batch(cache, mask, positions[:, -1] + 1)
+        self._check_cache(cache)
+        return batch, logits
+
+    def step(self, batch: Batch, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=-1)
+        positions = batch.positions.view(-1, 1)
+        logits = self._forward(ids, batch.mask, positions, batch.cache)
+        batch.positions = batch.positions + 1
+        return logits
+
+    def select(self, batch: Batch, keep: list[int]) -> Batch:
+        if len(keep) == batch.rows:
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = batch.mask.index_select(0, idx)
+        # columns of padding that no remaining row needs: cut them from the mask and the cache
+        cut = int((mask.cumsum(-1) == 0).sum(-1).min().item()) if (mask.numel() and self.can_join) else 0
+        for layer in self._layers(batch.cache):
+            if not self.can_join:  # a cache of another kind: its own row selection, no trimming
+                layer.batch_select_indices(idx)
+            elif getattr(layer, "is_initialized", False) and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, idx)[..., cut:, :].contiguous()
+                layer.values = layer.values.index_select(0, idx)[..., cut:, :].contiguous()
+        return Batch(batch.cache, mask[:, cut:].contiguous(), batch.positions.index_select(0, idx))
+
+    def join(self, running: Batch, new: Batch) -> Batch:
+        la, lb = running.mask.shape[1], new.mask.shape[1]
+        width = max(la, lb)
+        for a, b in zip(self._layers(running.cache), self._layers(new.cache)):
+            a.keys = torch.cat([_pad_left(a.keys, width, -2), _pad_left(b.keys, width, -2)], dim=0)
+            a.values = torch.cat([_pad_left(a.values, width, -2), _pad_left(b.values, width, -2)], dim=0)
+        mask = torch.cat([_pad_left(running.mask, width, -1), _pad_left(new.mask, width, -1)], dim=0)
+        return Batch(running.cache, mask, torch.cat([running.positions, new.positions]))
+
+    # ------------------------------------------------------------------ internals
+    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        kw = {self._cache_kw: cache, "use_cache": True}
+        if self._keep:
+            kw["logits_to_keep"] = 1
+        if self._positions:
+            kw["position_ids"] = positions
+        # no padding: no mask, as generate() drops an all-ones mask (the same attention path)
+        if bool((mask == 0).any()):
+            kw["attention_mask"] = mask
+        with torch.no_grad():
+            out = self.model(input_ids=ids, **kw)
+        return out.logits[:, -1, :].float()
+
+    @staticmethod
+    def _layers(cache) -> list:
+        return list(getattr(cache, "layers", []) or [])
+
+    def _check_cache(self, cache) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        layers = self._layers(cache)
+        self.can_join = bool(layers) and all(
+            type(layer) is DynamicLayer and getattr(layer, "is_initialized", False) and layer.keys.dim() == 4
+            for layer in layers)
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    n = t.shape[dim]
+    if n == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
