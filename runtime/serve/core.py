@@ -40,7 +40,7 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from zipmoe.runtime.serve.cache import POOLS, ExpertCache
+from zipmoe.runtime.serve.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
 from zipmoe.runtime.serve.counters import Counters
 from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
 from zipmoe.runtime.serve.reads import ExpertStore
@@ -116,7 +116,7 @@ class Runtime:
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
                  budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16) -> None:
+                 compute_dtype=torch.bfloat16, cache_age: int | None = None) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -168,7 +168,10 @@ class Runtime:
                 caps = {k: int(pool_bytes * f) for k, f in DEFAULT_SPLIT.items()}
             self.split_source = "default"
         self.pools = caps
-        self.cache = ExpertCache(caps, demote=demote)
+        # aging: counts halve every ``cache_age`` tokens' worth of expert uses (cache.py)
+        self.cache_age = DEFAULT_AGE_TOKENS if cache_age is None else max(0, int(cache_age))
+        per_token = max(1, int(top_k)) * len(next(iter(expert_tensors.values()), [])) * max(1, len(self.sparse_layers))
+        self.cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
         self.scheduler = LayerScheduler(self, self.workers)
         # threads and file descriptors go when the model is garbage collected, if close() was not called
@@ -218,6 +221,7 @@ class Runtime:
             "device": str(self.device),
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "direct_io": self.store.direct,
+            "cache_age_tokens": self.cache_age,
         }
 
     # ------------------------------------------------------------------ tracing

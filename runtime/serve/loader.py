@@ -163,7 +163,7 @@ def _experts_modules(model, family: Family, config: dict):
 
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
-         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16"):
+         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -178,6 +178,8 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
     container and the cache's compressed pools; float32 experts are converted (exactly) after
     the merge, and the full pool holds them as float32.
+    ``cache_age``: the cache's counts halve every this many tokens (default
+    ``cache.DEFAULT_AGE_TOKENS``; 0: never).
     The tokenizer is None when the container has no tokenizer files.
     """
     from zipmoe.codecs.reader import ContainerReader
@@ -196,7 +198,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         raise ContainerError(f"{path}: no such file")
     reader = ContainerReader(path)
     try:
-        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype)
+        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, cache_age=cache_age)
     finally:
         reader.close()
 
@@ -232,7 +234,8 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
     return names[d]
 
 
-def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False):
+def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
+          cache_age=None):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -333,6 +336,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
+        cache_age=cache_age,
     )
     try:
         state = {}
