@@ -50,7 +50,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from zipmoe.errors import ContainerError
+from zipmoe.errors import ContainerError, ServingError, ZipmoeError
 
 from zipmoe.runtime.serve.order import Task, order as priority_order
 from zipmoe.codecs.checksum import verify_chunk
@@ -94,14 +94,28 @@ def issue_order(experts: list, states: dict, tensors: dict) -> tuple[list, dict]
 
 
 class PriorityWorkers:
-    """Threads that run queued jobs, the lowest rank first (ties: first queued first)."""
+    """Threads that run queued jobs, the lowest rank first (ties: first queued first).
 
-    def __init__(self, n: int, name: str) -> None:
+    A job that raises does not kill its thread: the exception goes to ``on_error(fn, args,
+    exc)`` (the scheduler hands it to the fetch the job was for, so that the layer waiting for
+    that fetch learns it at once), or, without a handler, is kept in :attr:`failure` for
+    whoever waits to find (:meth:`check`). A thread that stops anyway (the handler itself
+    failed) is seen by :meth:`check` too: the layer waits with a timeout and asks.
+    """
+
+    def __init__(self, n: int, name: str, on_error=None) -> None:
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
+        self.name = name
+        self.on_error = on_error
+        self.failure: BaseException | None = None
+        self._stopping = False
         self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for th in self._threads:
             th.start()
+
+    def __len__(self) -> int:
+        return len(self._threads)
 
     def submit(self, rank, fn, *args) -> None:
         self._q.put((rank, next(self._seq), fn, args))
@@ -111,9 +125,30 @@ class PriorityWorkers:
             _, _, fn, args = self._q.get()
             if fn is None:
                 return
-            fn(*args)
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - a job's failure must not stop the thread
+                handler = self.on_error
+                if handler is None:
+                    self.failure = exc
+                    continue
+                try:
+                    handler(fn, args, exc)
+                except BaseException as exc2:  # noqa: BLE001
+                    self.failure = exc2
+                    raise
+
+    def check(self) -> None:
+        """Raise :class:`ServingError` if a job failed unhandled or a thread stopped."""
+        exc = self.failure
+        if exc is not None:
+            self.failure = None
+            raise ServingError(f"a {self.name} thread failed: {_one_line(exc)}") from None
+        if not self._stopping and not all(th.is_alive() for th in self._threads):
+            raise ServingError(f"a {self.name} thread stopped; reload the model")
 
     def shutdown(self) -> None:
+        self._stopping = True
         if not any(th.is_alive() for th in self._threads):
             return
         for _ in self._threads:
@@ -122,14 +157,23 @@ class PriorityWorkers:
             th.join()
 
 
+def _one_line(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split()) or "(no message)"
+    return msg if isinstance(exc, ZipmoeError) else f"{type(exc).__name__}: {msg}"
+
+
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs", "ranges")
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs",
+                 "ranges", "done", "reported", "_lock")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
         self.state = state
+        self.done = None  # done(f, exc): tells the layer this fetch finished (set when submitted)
+        self.reported = False
+        self._lock = threading.Lock()
         self.out = None
         self.e_parts = None
         self.sm_parts = None
@@ -140,6 +184,16 @@ class _Fetch:
         self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
         self.ranges: list = []  # the file ranges it reads (coalesced), one buffer each
         self.bufs: list = []  # the aligned read buffers (store.buffers) behind e_parts / sm_parts
+
+
+    def report(self, exc) -> None:
+        """Tell the layer once that this fetch finished (``exc``: its error or None); a second
+        report (a job that failed after its fetch was reported) is ignored."""
+        with self._lock:
+            if self.reported:
+                return
+            self.reported = True
+        self.done(self, exc)
 
 
 class _Latch:
@@ -164,8 +218,8 @@ class LayerScheduler:
     def __init__(self, runtime, workers: int) -> None:
         self.rt = runtime
         self.workers = max(1, int(workers))
-        self.io = PriorityWorkers(1, "zipmoe-io")
-        self.pool = PriorityWorkers(self.workers, "zipmoe-decode")
+        self.io = PriorityWorkers(1, "zipmoe-io", on_error=self._job_failed)
+        self.pool = PriorityWorkers(self.workers, "zipmoe-decode", on_error=self._job_failed)
         self._local = threading.local()
         self.device = runtime.device
         self.cuda = self.device.type == "cuda"
@@ -183,6 +237,14 @@ class LayerScheduler:
         self.pool.shutdown()
 
     # ------------------------------------------------------------------ worker side
+    @staticmethod
+    def _job_failed(fn, args, exc) -> None:
+        """A queued job raised outside its own error handling: report it to its fetch's layer."""
+        f = args[0] if args and isinstance(args[0], _Fetch) else None
+        if f is None or f.done is None:
+            raise exc
+        f.report(exc)
+
     def _ctx(self):
         ctx = getattr(self._local, "ctx", None)
         if ctx is None:
@@ -251,10 +313,17 @@ class LayerScheduler:
         self.pool.submit(rank, self._fan_out, f, jobs, rank, verify_e, verify_sm, done)
 
     def _fan_out(self, f: _Fetch, jobs: list, rank, verify_e: bool, verify_sm: bool, done) -> None:
-        """On a decode worker: queue every chunk job of ``f`` but the first, then run the first."""
+        """On a decode worker: queue every chunk job of ``f`` but the first, then run the first.
+        A job that could not be queued counts as failed (the last job that runs reports it)."""
         latch = _Latch(len(jobs))
-        for i, k in jobs[1:]:
-            self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+        queued = 1
+        try:
+            for i, k in jobs[1:]:
+                self.pool.submit(rank, self._piece, f, i, k, verify_e, verify_sm, latch, done)
+                queued += 1
+        except BaseException as exc:  # noqa: BLE001
+            for _ in range(len(jobs) - queued):
+                latch.count_down(exc)  # never the last: the first job below is still to run
         i, k = jobs[0]
         self._piece(f, i, k, verify_e, verify_sm, latch, done)
 
@@ -264,9 +333,9 @@ class LayerScheduler:
             self._decode(f, verify_e, verify_sm)
             if self.cuda and self.device_merge:
                 self.rt.counters.add_time("decode", time.perf_counter() - t0)
-            done(f, None)
+            f.report(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
-            done(f, exc)
+            f.report(exc)
 
     def _piece(self, f: _Fetch, i: int, k: int, verify_e: bool, verify_sm: bool, latch, done) -> None:
         exc = None
@@ -276,7 +345,7 @@ class LayerScheduler:
             exc = e
         last, first_exc = latch.count_down(exc)
         if last:
-            done(f, first_exc)
+            f.report(first_exc)
 
     def _decode_chunk(self, f: _Fetch, i: int, k: int, verify_e: bool, verify_sm: bool) -> None:
         from zipmoe.kernels.cpu import merge_into
@@ -309,7 +378,7 @@ class LayerScheduler:
             self._read(f, need_e, need_sm)
             self._submit_decode(f, rank, need_e, need_sm, done)
         except BaseException as exc:  # noqa: BLE001
-            done(f, exc)
+            f.report(exc)
 
     # ------------------------------------------------------------------ serving side
     def run(self, layer, experts: list, compute) -> None:
@@ -380,6 +449,7 @@ class LayerScheduler:
                     store = rt.store
                     f.ranges = t.ranges(*_reads_of(st))
                     f.bufs = [store.buffers.get(store.buffer_size(off, ln)) for off, ln in f.ranges]
+                f.done = done
                 fl.append(f)
             rt.hold(need)
             reserved[e] = need
@@ -428,7 +498,7 @@ class LayerScheduler:
                     counters.add_time("compute", time.perf_counter() - t0)
             while inflight:
                 t0 = time.perf_counter()
-                f, exc = done_q.get()
+                f, exc = self._wait(done_q)
                 counters.add_time("wait", time.perf_counter() - t0)
                 outstanding.discard(f)
                 e = f.tensor.expert
@@ -464,7 +534,10 @@ class LayerScheduler:
             # Only fetches whose submission completed are waited for: one interrupted while it
             # was being queued may never report, and waiting for it would hang.
             while outstanding:
-                f, _ = done_q.get()
+                try:
+                    f, _ = self._wait(done_q)
+                except ServingError:
+                    break  # a thread is gone: what it held will not come back
                 outstanding.discard(f)
             for e in list(reserved):
                 rt.release(reserved.pop(e))
@@ -474,7 +547,20 @@ class LayerScheduler:
             if isinstance(exc, ContainerError):
                 counters.checksum_failures += 1
                 raise type(exc)(str(exc)) from None
-            raise exc
+            if isinstance(exc, (ZipmoeError, KeyboardInterrupt)):
+                raise exc
+            # a bug or an OS failure in a reader or decode job: one line naming the layer
+            raise ServingError(f"fetching the experts of layer {layer} failed: {_one_line(exc)}") from exc
+
+    def _wait(self, done_q: queue.Queue, poll: float = 0.5):
+        """The next finished fetch; while none comes, check every ``poll`` seconds that the
+        reader and decode threads are alive and no job failed unreported (ServingError)."""
+        while True:
+            try:
+                return done_q.get(timeout=poll)
+            except queue.Empty:
+                self.io.check()
+                self.pool.check()
 
     def _to_device(self, fl) -> None:
         for f in fl:
