@@ -162,19 +162,20 @@ def test_a_read_error_while_serving_is_one_line_and_the_model_serves_on(tmp_path
     rt = model.zipmoe
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     batch = inputs(vocab, False, batch=2)
-    read = rt.store.read
+    read, read_piece = rt.store.read, rt.store.read_piece
+    rt.store.piece = 4096  # several pieces per range: the readers share them
 
     def failing_read(*a, **kw):
         raise OSError(5, "Input/output error")
 
-    rt.store.read = failing_read
+    rt.store.read = rt.store.read_piece = failing_read
     try:
         with torch.no_grad():
             out = _run_in_thread(lambda: model(**batch))
         exc = out.get("exc")
         assert isinstance(exc, ServingError) and "\n" not in str(exc) and "Input/output error" in str(exc)
         assert rt._inflight == 0 and not rt.cache.pinned and rt.cache.used_bytes() == 0
-        rt.store.read = read
+        rt.store.read, rt.store.read_piece = read, read_piece
         with torch.no_grad():
             assert torch.equal(model(**batch).logits, reference(src)(**batch).logits)
     finally:

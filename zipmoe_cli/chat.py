@@ -71,7 +71,15 @@ def _cumulative(model) -> str:
             + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in h.items())
             + f"; stage seconds read {t['read']:.2f}, decode {t['decode']:.2f}, merge {t['merge']:.2f}, "
               f"compute {t['compute']:.2f}, wait {t['wait']:.2f}; peak held {format_size(c['peak_held_bytes'])} "
-              f"of {format_size(rt.budget)}\npools: {pool_s}")
+              f"of {format_size(rt.budget)}{_fallback(rt, c)}\npools: {pool_s}")
+
+
+def _fallback(rt, c: dict) -> str:
+    """Buffered reads are shown, never silent: the page cache may have served them."""
+    if not c.get("buffered_reads") and not c.get("direct_fallbacks"):
+        return ""
+    why = getattr(rt.store, "fallback_reason", None) or "direct_io off"
+    return f"; {c.get('buffered_reads', 0)} buffered reads (no O_DIRECT: {why})"
 
 
 @app.command(name="chat")

@@ -43,7 +43,7 @@ from zipmoe.units import format_size
 from zipmoe.runtime.serve.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
 from zipmoe.runtime.serve.counters import Counters
 from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
-from zipmoe.runtime.serve.reads import ExpertStore
+from zipmoe.runtime.serve.reads import DEFAULT_READERS, ExpertStore
 from zipmoe.runtime.serve.trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
@@ -116,7 +116,7 @@ class Runtime:
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
                  budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16, cache_age: int | None = None) -> None:
+                 compute_dtype=torch.bfloat16, cache_age: int | None = None, readers: int | None = None) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -130,6 +130,7 @@ class Runtime:
         self.dense_bytes = int(dense_bytes)
         self.budget = int(budget)
         self.workers = max(1, int(workers))
+        self.readers = DEFAULT_READERS if readers is None else max(1, int(readers))  # I/O threads: queue depth
         self.compute_dtype = compute_dtype
         self.counters = Counters()
         self._lock = threading.Lock()
@@ -218,9 +219,11 @@ class Runtime:
             "pools": dict(self.pools),
             "split": self.split_source,
             "workers": self.workers,
+            "readers": self.readers,
             "device": str(self.device),
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "direct_io": self.store.direct,
+            "direct_io_fallback": self.store.fallback_reason,
             "cache_age_tokens": self.cache_age,
         }
 

@@ -12,6 +12,10 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``reads_by_state``: the same reads split by the cache state of the tensor they were for
   (``none``: a miss reads E and SM; ``e_only`` reads SM; ``sm_only`` reads E), each
   ``[reads, bytes transferred, seconds]``: the read rate of each kind of fetch while serving
+* ``buffered_reads``: reads done without O_DIRECT (file system refused it, or ``direct_io=False``):
+  the page cache may have served them, so their rate is not the disk's
+* ``direct_fallbacks``: times the store fell back from O_DIRECT to buffered reads (at open or at
+  the first refused read; 0 when O_DIRECT works or was not asked for)
 * ``fresh_buffers``: reads that went into a newly mapped buffer instead of a reused one (each
   costs a page fault per 4 KiB: ``store.ReadBuffers``)
 * ``hits``: per state of an expert tensor when a layer needed it: ``full``, ``compressed``,
@@ -52,6 +56,8 @@ class Counters:
         self.bytes_read_disk = 0
         self.reads = 0
         self.reads_by_state = {}
+        self.buffered_reads = 0
+        self.direct_fallbacks = getattr(self, "direct_fallbacks", 0)  # a property of the run: kept by reset
         self.fresh_buffers = 0
         self.hits = {s: 0 for s in STATES}
         self.expert_calls = 0
@@ -62,8 +68,11 @@ class Counters:
         self.checksum_failures = 0
 
     # --- updates (thread-safe where called from several threads)
-    def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None) -> None:
+    def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
+                 buffered: bool = False) -> None:
         with self._lock:
+            if buffered:
+                self.buffered_reads += 1
             self.bytes_read += payload
             self.bytes_read_disk += disk
             self.reads += 1
@@ -73,6 +82,10 @@ class Counters:
                 rec[0] += 1
                 rec[1] += disk
                 rec[2] += seconds
+
+    def note_direct_fallback(self) -> None:
+        with self._lock:
+            self.direct_fallbacks += 1
 
     def add_fresh_buffer(self) -> None:
         with self._lock:
@@ -113,6 +126,8 @@ class Counters:
                 "bytes_read_disk": self.bytes_read_disk,
                 "reads": self.reads,
                 "reads_by_state": copy.deepcopy(self.reads_by_state),
+                "buffered_reads": self.buffered_reads,
+                "direct_fallbacks": self.direct_fallbacks,
                 "fresh_buffers": self.fresh_buffers,
                 "hits": dict(self.hits),
                 "expert_calls": self.expert_calls,
@@ -125,11 +140,11 @@ class Counters:
 
 
 def delta(after: dict, before: dict) -> dict:
-    """``after - before`` of two snapshots (peak_held_bytes is taken from ``after``)."""
+    """``after - before`` of two snapshots (peak_held_bytes and direct_fallbacks are taken from ``after``)."""
     out = {}
     for k, v in after.items():
         b = before.get(k)
-        if k == "peak_held_bytes":
+        if k in ("peak_held_bytes", "direct_fallbacks"):
             out[k] = v
         elif k == "reads_by_state":
             b = b or {}

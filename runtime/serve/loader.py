@@ -163,7 +163,8 @@ def _experts_modules(model, family: Family, config: dict):
 
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
-         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None):
+         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None,
+         readers: int | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -178,7 +179,8 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
     container and the cache's compressed pools; float32 experts are converted (exactly) after
     the merge, and the full pool holds them as float32.
-    ``cache_age``: the cache's counts halve every this many tokens (default
+    ``readers``: reader threads, i.e. the queue depth of expert reads (default
+    ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
     ``cache.DEFAULT_AGE_TOKENS``; 0: never).
     The tokenizer is None when the container has no tokenizer files.
     """
@@ -198,7 +200,8 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         raise ContainerError(f"{path}: no such file")
     reader = ContainerReader(path)
     try:
-        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, cache_age=cache_age)
+        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, cache_age=cache_age,
+                     readers=readers)
     finally:
         reader.close()
 
@@ -235,7 +238,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          cache_age=None):
+          cache_age=None, readers=None):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -336,7 +339,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
-        cache_age=cache_age,
+        cache_age=cache_age, readers=readers,
     )
     try:
         state = {}
