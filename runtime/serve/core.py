@@ -116,7 +116,8 @@ class Runtime:
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
                  budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16, cache_age: int | None = None, readers: int | None = None) -> None:
+                 compute_dtype=torch.bfloat16, cache_age: int | None = None, readers: int | None = None,
+                 prefetch: bool = True) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -133,6 +134,10 @@ class Runtime:
         self.readers = DEFAULT_READERS if readers is None else max(1, int(readers))  # I/O threads: queue depth
         self.compute_dtype = compute_dtype
         self.counters = Counters()
+        # prefetch across layers (serve/prefetch.py): the loader sets the predictor once the
+        # routers are loaded; pointless when every expert fits whole in the full pool
+        self.predictor = None
+        self.prefetch = bool(prefetch)
         self._lock = threading.Lock()
         self._inflight = 0
         self._trace: TraceWriter | None = None
@@ -225,6 +230,7 @@ class Runtime:
             "direct_io": self.store.direct,
             "direct_io_fallback": self.store.fallback_reason,
             "cache_age_tokens": self.cache_age,
+            "prefetch": self.prefetch and self.predictor is not None,
         }
 
     # ------------------------------------------------------------------ tracing
@@ -250,12 +256,16 @@ class Runtime:
             self._trace.end_step()
 
     # ------------------------------------------------------------------ serving
-    def run_layer(self, layer, experts: list, compute, trace_ids=None) -> None:
+    def run_layer(self, layer, experts: list, compute, trace_ids=None, hidden=None) -> None:
+        """``hidden``: the layer's expert input (the router's input), for the prefetch predictor."""
         t0 = time.perf_counter()
         if self._trace is not None and trace_ids is not None:
             self._trace.record(layer, trace_ids() if callable(trace_ids) else trace_ids)
+        predict = None
+        if self.prefetch and self.predictor is not None and hidden is not None:
+            predict = lambda: self.predictor.predict(layer, hidden)  # noqa: E731
         if experts:
-            self.scheduler.run(layer, experts, compute)
+            self.scheduler.run(layer, experts, compute, predict)
         self.counters.add_layer(layer, time.perf_counter() - t0, len(experts))
 
     def warm(self) -> int:

@@ -32,6 +32,13 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
   cache pools + in-flight working buffers), to compare with the budget
 * ``checksum_failures``: chunks whose checksum did not match (each one raised an error)
+* ``prediction_by_layer``: per sparse layer (string key) ``[predicted, chosen, both]``: experts
+  the prefetch predictor named for the layer, experts its router chose, and experts in both,
+  summed over layer calls (precision = both / predicted, recall = both / chosen;
+  :func:`prediction_quality`)
+* ``prefetch``: expert fetches ``issued`` on a prediction, ``used`` (the layer chose them),
+  ``dropped`` (it did not: read for nothing) and ``failed`` (a dropped one whose bytes were bad:
+  never raised, the layer did not need it)
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import copy
 import threading
 import time
 
-__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES"]
+__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
 STATES = ("full", "compressed", "sm_only", "e_only", "none")
 STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
@@ -66,6 +73,8 @@ class Counters:
         self.layer_makespan_s: dict[str, list] = {}
         self.peak_held_bytes = getattr(self, "peak_held_bytes", 0)
         self.checksum_failures = 0
+        self.prediction_by_layer: dict[str, list] = {}
+        self.prefetch = {"issued": 0, "used": 0, "dropped": 0, "failed": 0}
 
     # --- updates (thread-safe where called from several threads)
     def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
@@ -109,6 +118,16 @@ class Counters:
         self.layer_calls += 1
         self.expert_calls += experts
 
+    def add_prediction(self, layer, predicted, chosen) -> None:
+        p, c = set(predicted), set(chosen)
+        rec = self.prediction_by_layer.setdefault(str(layer), [0, 0, 0])
+        rec[0] += len(p)
+        rec[1] += len(c)
+        rec[2] += len(p & c)
+
+    def add_prefetch(self, what: str, n: int = 1) -> None:
+        self.prefetch[what] += n
+
     def note_held(self, held: int) -> None:
         if held > self.peak_held_bytes:
             self.peak_held_bytes = held
@@ -136,6 +155,8 @@ class Counters:
                 "layer_makespan_s": copy.deepcopy(self.layer_makespan_s),
                 "peak_held_bytes": self.peak_held_bytes,
                 "checksum_failures": self.checksum_failures,
+                "prediction_by_layer": copy.deepcopy(self.prediction_by_layer),
+                "prefetch": dict(self.prefetch),
             }
 
 
@@ -157,10 +178,27 @@ def delta(after: dict, before: dict) -> dict:
                 if c - bc:
                     d[layer] = [s - bs, c - bc, m]
             out[k] = d
+        elif k == "prediction_by_layer":
+            b = b or {}
+            out[k] = {layer: [x - y for x, y in zip(rec, b.get(layer, [0, 0, 0]))] for layer, rec in v.items()
+                      if rec[1] - b.get(layer, [0, 0, 0])[1]}
         elif isinstance(v, dict):
             out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
         else:
             out[k] = v - (b or 0)
+    return out
+
+
+def prediction_quality(snapshot: dict) -> dict:
+    """``{layer: {"precision", "recall"}}`` and ``"all"`` from a snapshot's (or delta's)
+    ``prediction_by_layer`` (None where nothing was predicted / chosen)."""
+    out = {}
+    tot = [0, 0, 0]
+    for layer, (p, c, both) in (snapshot.get("prediction_by_layer") or {}).items():
+        out[layer] = {"precision": both / p if p else None, "recall": both / c if c else None}
+        tot = [tot[0] + p, tot[1] + c, tot[2] + both]
+    if tot[1]:
+        out["all"] = {"precision": tot[2] / tot[0] if tot[0] else None, "recall": tot[2] / tot[1]}
     return out
 
 

@@ -164,7 +164,7 @@ def _experts_modules(model, family: Family, config: dict):
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
          direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None,
-         readers: int | None = None):
+         readers: int | None = None, prefetch: bool = True):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -179,6 +179,8 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
     container and the cache's compressed pools; float32 experts are converted (exactly) after
     the merge, and the full pool holds them as float32.
+    ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
+    probably choose (``serve.prefetch``; predictions only move bytes).
     ``readers``: reader threads, i.e. the queue depth of expert reads (default
     ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
     ``cache.DEFAULT_AGE_TOKENS``; 0: never).
@@ -201,7 +203,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     reader = ContainerReader(path)
     try:
         return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, cache_age=cache_age,
-                     readers=readers)
+                     readers=readers, prefetch=prefetch)
     finally:
         reader.close()
 
@@ -238,7 +240,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          cache_age=None, readers=None):
+          cache_age=None, readers=None, prefetch=True):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -339,7 +341,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
-        cache_age=cache_age, readers=readers,
+        cache_age=cache_age, readers=readers, prefetch=prefetch,
     )
     try:
         state = {}
@@ -381,6 +383,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelError(f"the container lacks dense weights the model needs: {', '.join(missing[:3])}{more}")
         model.eval()  # the replacement modules too (SwitchExperts has a dropout)
+        _attach_predictor(model, rt, experts, num_experts)
         model.zipmoe = rt
         model.register_forward_pre_hook(lambda _m, args, kwargs: rt.begin_step(_input_shape(args, kwargs)), with_kwargs=True)
         model.register_forward_hook(lambda *_: rt.end_step())
@@ -392,6 +395,22 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
+
+
+def _attach_predictor(model, rt, experts, num_experts: int) -> None:
+    """The prefetch predictor from the sparse layers' routers (``serve.prefetch``); none when
+    every expert fits whole in the full pool (nothing to prefetch) or a router is not found."""
+    from zipmoe.runtime.serve.prefetch import RouterPredictor, find_router
+
+    if rt.pools.get("full", 0) >= rt.expert_bytes_full:
+        return
+    routers = {}
+    for name, _mod, layer in experts:
+        w = find_router(name, model, num_experts)
+        if w is not None:
+            routers[layer] = w
+    if routers:
+        rt.predictor = RouterPredictor(routers, [layer for _, _, layer in experts], rt.top_k)
 
 
 def _input_shape(args, kwargs) -> list | None:

@@ -167,7 +167,7 @@ class _Fetch:
     """One expert tensor being made whole."""
 
     __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs",
-                 "ranges", "done", "reported", "_lock", "plog")
+                 "ranges", "done", "reported", "_lock", "plog", "group", "cancelled")
 
     def __init__(self, tensor: ExpertTensor, state):
         self.tensor = tensor
@@ -176,6 +176,8 @@ class _Fetch:
         self.reported = False
         self._lock = threading.Lock()
         self.plog = None  # (range index, bytes, seconds, direct?) of each piece read
+        self.group = None  # the _Group (one expert's fetches) it belongs to
+        self.cancelled = False  # a dropped prefetch: jobs not started yet skip their work
         self.out = None
         self.e_parts = None
         self.sm_parts = None
@@ -196,6 +198,32 @@ class _Fetch:
                 return
             self.reported = True
         self.done(self, exc)
+
+
+class _Cancelled(Exception):
+    """A dropped prefetch's job that had not started yet (not an error)."""
+
+
+class _Group:
+    """The fetches of one expert: one window slot, its working bytes, done when all report."""
+
+    __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
+                 "dropped", "released")
+
+    def __init__(self, layer, expert, prefetch: bool) -> None:
+        self.layer = layer
+        self.expert = expert
+        self.prefetch = prefetch  # issued on a prediction and not (yet) needed
+        self.fetches: list = []  # per tensor: a _Fetch, or None when whole in the cache
+        self.states: list = []
+        self.remaining = 0  # fetches submitted and not yet reported
+        self.reserved = 0
+        self.errors: list = []
+        self.dropped = False
+        self.released = False
+
+
+PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues
 
 
 class _Latch:
@@ -220,6 +248,12 @@ class LayerScheduler:
     def __init__(self, runtime, workers: int) -> None:
         self.rt = runtime
         self.workers = max(1, int(workers))
+        self._q: queue.Queue = queue.Queue()  # (fetch, exc) of every finished fetch
+        self._slots = 0  # window slots held: groups issued and not yet released
+        self._unreported = 0  # fetches submitted whose report has not been handled
+        self._pf: dict = {}  # (layer, expert) -> prefetched _Group not yet needed
+        self._pf_pending: deque = deque()  # predicted experts waiting for a window slot
+        self._predicted: dict = {}  # layer -> experts predicted for it (precision / recall)
         self.readers = max(1, int(getattr(runtime, "readers", 1)))
         self.io = PriorityWorkers(self.readers, "zipmoe-io", on_error=self._job_failed)
         self.pool = PriorityWorkers(self.workers, "zipmoe-decode", on_error=self._job_failed)
@@ -331,6 +365,9 @@ class LayerScheduler:
         self._piece(f, i, k, verify_e, verify_sm, latch, done)
 
     def _whole(self, f: _Fetch, verify_e: bool, verify_sm: bool, done) -> None:
+        if f.cancelled:
+            f.report(_Cancelled())
+            return
         try:
             t0 = time.perf_counter()
             self._decode(f, verify_e, verify_sm)
@@ -384,6 +421,9 @@ class LayerScheduler:
         many requests in flight as there are readers) and reads the first; the reader that
         finishes the last piece makes the views and queues the decode. As for the chunk jobs of
         a decode, one queued job fans out, so a Ctrl-C cannot leave a fetch half queued."""
+        if f.cancelled:
+            f.report(_Cancelled())
+            return
         try:
             need_e, need_sm = _reads_of(f.state)
             store = self.rt.store
@@ -449,8 +489,12 @@ class LayerScheduler:
             f.sm_parts = [slice_of(bufs, s.sm_range) for s in t.segments]
 
     # ------------------------------------------------------------------ serving side
-    def run(self, layer, experts: list, compute) -> None:
-        """Make the weights of ``experts`` (ascending ids) whole and call ``compute(e, weights)``."""
+    def run(self, layer, experts: list, compute, predict=None) -> None:
+        """Make the weights of ``experts`` (ascending ids) whole and call ``compute(e, weights)``.
+
+        ``predict``: None, or a callable returning ``(next layer, experts it will probably
+        choose)``: those are prefetched (module :mod:`.prefetch`) once this layer's own fetches
+        are all issued, at a lower priority."""
         rt = self.rt
         cache = rt.cache
         tensors = {e: rt.expert_tensors[(layer, e)] for e in experts}
@@ -464,8 +508,12 @@ class LayerScheduler:
                 st.append(s)
                 cache.pinned.add(t.uid)
             states[e] = st
+        guess = self._predicted.pop(layer, None)
+        if guess is not None:
+            rt.counters.add_prediction(layer, guess, experts)
         try:
-            if all(expert_type(states[e]) == "full" for e in experts):
+            if predict is None and not self._pf and not self._pf_pending and \
+                    all(expert_type(states[e]) == "full" for e in experts):
                 # everything whole (the common case with a large budget): no pipeline at all
                 counters = rt.counters
                 t0 = time.perf_counter()
@@ -473,144 +521,229 @@ class LayerScheduler:
                     compute(e, [cache.get(t.uid) for t in tensors[e]])
                 counters.add_time("compute", time.perf_counter() - t0)
             else:
-                self._run(layer, experts, tensors, states, compute)
+                self._run(layer, experts, tensors, states, compute, predict)
         finally:
             cache.pinned.clear()
 
-    def _run(self, layer, experts, tensors, states, compute) -> None:
+    # --- fetch groups (one expert's fetches), shared by demand and prefetch
+    def _put(self, f, exc) -> None:
+        self._q.put((f, exc))
+
+    def _issue(self, layer, e, tens, sts, rank: dict, prefetch: bool, into: dict, key) -> _Group:
+        """Take the working bytes of expert ``e``'s fetches and submit them (one group, one
+        window slot). The group is in ``into[key]`` before it holds anything, so that an
+        interruption while it is queued still finds (and releases) it."""
+        rt = self.rt
+        cache = rt.cache
+        g = _Group(layer, e, prefetch)
+        g.states = list(sts)
+        need = 0
+        for t, st in zip(tens, sts):
+            if st == "full":
+                g.fetches.append(None)
+                continue
+            f = _Fetch(t, st)
+            f.group = g
+            if st in ("compressed", "sm_only"):
+                data = cache.get(t.uid)
+                if st == "compressed":
+                    f.e_parts, f.sm_parts = data
+                else:
+                    f.sm_parts = data
+            elif st == "e_only":
+                f.e_parts = cache.get(t.uid)
+            need += rt.working_bytes(t)
+            if any(_reads_of(st)):
+                # what it reads, and its read buffers, taken now (idle ones first) so that
+                # the hold below counts them as this fetch's and not as idle
+                store = rt.store
+                f.ranges = t.ranges(*_reads_of(st))
+                f.bufs = [store.buffers.get(store.buffer_size(off, ln)) for off, ln in f.ranges]
+            f.done = self._put
+            g.fetches.append(f)
+        into[key] = g
+        rt.hold(need)
+        g.reserved = need
+        self._slots += 1
+        for f in g.fetches:
+            if f is None:
+                continue
+            t = f.tensor
+            f.out = torch.empty(t.shape, dtype=torch.bfloat16, device=rt.device)
+            if self.cuda:
+                pin = self.device.type == "cuda"  # (False only when a test forces this path on the CPU)
+                if self.device_merge:
+                    f.pinned = (torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin),
+                                torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin))
+                    f.exp_host = f.pinned[0].numpy()
+                    f.sm_host = f.pinned[1].numpy()
+                else:
+                    f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin)
+        for f in g.fetches:
+            if f is None:
+                continue
+            r = rank[f.tensor.uid] + (PREFETCH_RANK if prefetch else 0)
+            if f.state == "compressed":
+                self._submit_decode(f, r, False, False, self._put)
+            else:
+                self.io.submit(r, self._read_then_decode, f, self._put, r)
+            g.remaining += 1  # only once submitted: its report will come
+            self._unreported += 1
+        return g
+
+    def _report(self, f, exc, ready: deque) -> None:
+        """One fetch finished: count it in its group; a group whose fetches all finished is
+        ready (demand), kept (a prefetch not yet needed) or released (a dropped prefetch)."""
+        self._unreported -= 1
+        g = f.group
+        g.remaining -= 1
+        if exc is not None and not isinstance(exc, _Cancelled):
+            g.errors.append(exc)
+        if g.remaining:
+            return
+        if g.dropped:
+            if g.errors:
+                self.rt.counters.add_prefetch("failed")
+            self._release(g)
+        elif not g.prefetch:
+            ready.append(g)
+
+    def _release(self, g: _Group) -> None:
+        """Give back a finished group's bytes, read buffers and window slot."""
+        if g.released:
+            return
+        g.released = True
+        self.rt.release(g.reserved)
+        self._slots -= 1
+        bufs = [b for f in g.fetches if f is not None for b in f.bufs]
+        if bufs and not g.remaining:
+            self.rt.recycle(bufs)
+        for f in g.fetches:
+            if f is not None:
+                f.bufs = []
+
+    def _drop(self, g: _Group) -> None:
+        """A prefetched expert that will not be used: cancel what has not started; release it
+        once every job that did start has finished (never while a thread writes into it)."""
+        g.dropped = True
+        self.rt.counters.add_prefetch("dropped")
+        for f in g.fetches:
+            if f is not None:
+                f.cancelled = True
+        if not g.remaining:
+            if g.errors:
+                self.rt.counters.add_prefetch("failed")
+            self._release(g)
+
+    def _drain(self, ready: deque) -> bool:
+        """Wait for every submitted fetch; False when a thread is gone (its fetches will never
+        report)."""
+        while self._unreported:
+            try:
+                f, exc = self._wait(self._q)
+            except ServingError:
+                return False
+            self._report(f, exc, ready)
+        return True
+
+    def _run(self, layer, experts, tensors, states, compute, predict=None) -> None:
         rt = self.rt
         cache = rt.cache
         counters = rt.counters
-        need, rank = issue_order(experts, states, tensors)
+        W = rt.window
+        # prefetched groups: those for this layer's chosen experts are adopted (used as if
+        # fetched now, provided the tensors they left to the cache are still whole there);
+        # every other one is dropped
+        adopted = {}
+        for key in list(self._pf):
+            g = self._pf.pop(key)
+            e = key[1]
+            if key[0] == layer and e in states and all(
+                    f is not None or st == "full" for f, st in zip(g.fetches, states[e])):
+                adopted[e] = g
+                g.prefetch = False
+                counters.add_prefetch("used")
+            else:
+                self._drop(g)
+        self._pf_pending.clear()
+        todo = [e for e in experts if e not in adopted]
+        need, rank = issue_order(todo, states, tensors)
         order = deque(need)
-        done_q: queue.Queue = queue.Queue()
-        remaining: dict[int, int] = {}
-        fetches: dict[int, list] = {}
-        reserved: dict[int, int] = {}
+        groups: dict[int, _Group] = dict(adopted)
+        ready: deque = deque(g for g in adopted.values() if not g.remaining)
+        active = len(adopted)  # groups of this layer not yet computed
         errors: list = []
-        outstanding: set = set()  # fetches submitted whose done() has not been received
-        inflight = 0
-
-        def done(f, exc):
-            done_q.put((f, exc))
-
-        def issue(e):
-            fl = []
-            need = 0
-            for t, st in zip(tensors[e], states[e]):
-                if st == "full":
-                    fl.append(None)
-                    continue
-                f = _Fetch(t, st)
-                if st in ("compressed", "sm_only"):
-                    data = cache.get(t.uid)
-                    if st == "compressed":
-                        f.e_parts, f.sm_parts = data
-                    else:
-                        f.sm_parts = data
-                elif st == "e_only":
-                    f.e_parts = cache.get(t.uid)
-                need += rt.working_bytes(t)
-                if any(_reads_of(st)):
-                    # what it reads, and its read buffers, taken now (idle ones first) so that
-                    # the hold below counts them as this fetch's and not as idle
-                    store = rt.store
-                    f.ranges = t.ranges(*_reads_of(st))
-                    f.bufs = [store.buffers.get(store.buffer_size(off, ln)) for off, ln in f.ranges]
-                f.done = done
-                fl.append(f)
-            rt.hold(need)
-            reserved[e] = need
-            for f in fl:
-                if f is None:
-                    continue
-                t = f.tensor
-                f.out = torch.empty(t.shape, dtype=torch.bfloat16, device=rt.device)
-                if self.cuda:
-                    pin = self.device.type == "cuda"  # (False only when a test forces this path on the CPU)
-                    if self.device_merge:
-                        f.pinned = (torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin),
-                                    torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin))
-                        f.exp_host = f.pinned[0].numpy()
-                        f.sm_host = f.pinned[1].numpy()
-                    else:
-                        f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin)
-            fetches[e] = fl
-            remaining[e] = sum(1 for f in fl if f is not None)
-            for f in fl:
-                if f is None:
-                    continue
-                r = rank[f.tensor.uid]
-                if f.state in ("compressed",):
-                    self._submit_decode(f, r, False, False, done)
-                else:
-                    self.io.submit(r, self._read_then_decode, f, done, r)
-                outstanding.add(f)  # only once submitted: its done() will come
 
         def weights_of(e):
-            ws = []
-            for t, f in zip(tensors[e], fetches.get(e, [None] * len(tensors[e]))):
-                ws.append(cache.get(t.uid) if f is None else f.w)
-            return ws
+            g = groups.get(e)
+            fl = g.fetches if g is not None else [None] * len(tensors[e])
+            return [cache.get(t.uid) if f is None else f.w for t, f in zip(tensors[e], fl)]
 
-        W = rt.window
+        def fill():
+            nonlocal active
+            while order and self._slots < W and not errors:
+                e = order.popleft()
+                self._issue(layer, e, tensors[e], states[e], rank, False, groups, e)
+                active += 1
+            if not order and not errors:
+                self._prefetch_fill()
+
         try:
-            while order and inflight < W:
-                issue(order.popleft())
-                inflight += 1
+            fill()
+            if predict is not None:
+                nxt, guess = predict()
+                if nxt is not None:
+                    self._predicted[nxt] = list(guess)
+                    self._plan_prefetch(nxt, guess)
+                    fill()
             # experts whose weights are all whole compute first, while the pipeline loads the rest
             for e in experts:
-                if expert_type(states[e]) == "full":
+                if e not in groups and expert_type(states[e]) == "full":
                     t0 = time.perf_counter()
                     compute(e, weights_of(e))
                     counters.add_time("compute", time.perf_counter() - t0)
-            while inflight:
-                t0 = time.perf_counter()
-                f, exc = self._wait(done_q)
-                counters.add_time("wait", time.perf_counter() - t0)
-                outstanding.discard(f)
-                e = f.tensor.expert
-                if exc is not None:
-                    errors.append(exc)
-                remaining[e] -= 1
-                if remaining[e]:
-                    continue
-                inflight -= 1
+            while active or (order and not errors):
+                if not ready:
+                    t0 = time.perf_counter()
+                    f, exc = self._wait(self._q)
+                    counters.add_time("wait", time.perf_counter() - t0)
+                    self._report(f, exc, ready)
+                    if not ready:
+                        fill()  # a dropped prefetch may have freed a slot
+                        continue
+                g = ready.popleft()
+                active -= 1
+                e = g.expert
+                if g.errors:
+                    errors.extend(g.errors)
                 if not errors:
+                    fl = g.fetches
                     if self.cuda:
-                        self._to_device(fetches[e])
-                    self._finish(fetches[e])
+                        self._to_device(fl)
+                    self._finish(fl)
                     t0 = time.perf_counter()
                     compute(e, weights_of(e))
                     t1 = time.perf_counter()
                     counters.add_time("compute", t1 - t0)
-                    self._admit(fetches[e])
+                    self._admit(fl)
                     counters.add_time("admit", time.perf_counter() - t1)
-                rt.release(reserved.pop(e))
-                fl = fetches.pop(e, None)
-                bufs = [b for f in fl if f is not None for b in f.bufs] if (fl and not errors) else None
-                if bufs:
-                    rt.recycle(bufs)
-                if not errors:
-                    while order and inflight < W:
-                        issue(order.popleft())
-                        inflight += 1
+                self._release(g)
+                fill()
+            if not self._pf and not self._pf_pending:
+                # nothing prefetched for the next layer (the last sparse layer, or prefetch
+                # off): wait for the dropped prefetches still running, so that nothing is held
+                # between forward steps
+                self._drain(ready)
         except BaseException:
             # Ctrl-C (or an error in compute), wherever it lands in the layer (also while the
             # window fills or a fully cached expert computes): let every submitted fetch finish,
             # so that no thread writes into buffers we drop and the byte accounting stays exact.
             # Only fetches whose submission completed are waited for: one interrupted while it
             # was being queued may never report, and waiting for it would hang.
-            while outstanding:
-                try:
-                    f, _ = self._wait(done_q)
-                except ServingError:
-                    break  # a thread is gone: what it held will not come back
-                outstanding.discard(f)
-            for e in list(reserved):
-                rt.release(reserved.pop(e))
+            self._abandon(groups)
             raise
         if errors:
+            self._abandon(groups)
             exc = errors[0]
             if isinstance(exc, ContainerError):
                 counters.checksum_failures += 1
@@ -629,6 +762,65 @@ class LayerScheduler:
             except queue.Empty:
                 self.io.check()
                 self.pool.check()
+
+    def _abandon(self, groups: dict) -> None:
+        """After an error: drop every prefetch, wait for every fetch, give back every byte."""
+        dropped = []
+        for key in list(self._pf):
+            g = self._pf.pop(key)
+            dropped.append(g)
+            self._drop(g)
+        self._pf_pending.clear()
+        self._predicted.clear()
+        for g in groups.values():
+            for f in g.fetches:
+                if f is not None:
+                    f.cancelled = True
+        ready: deque = deque()
+        complete = self._drain(ready)
+        for g in list(groups.values()) + dropped:
+            if complete or g.remaining:
+                # (a thread is gone: what it held will not come back; give its bytes back)
+                self._release(g)
+        if not complete:
+            self._unreported = 0
+    # --- prefetch
+    def _plan_prefetch(self, layer, guess) -> None:
+        """Queue the predicted experts of ``layer`` that are not whole in the cache (issued by
+        :meth:`_prefetch_fill` as window slots free up, after the current layer's own fetches)."""
+        rt = self.rt
+        cache = rt.cache
+        want, sts = [], {}
+        for e in guess:
+            tens = rt.expert_tensors.get((layer, e))
+            if tens is None or (layer, e) in self._pf:
+                continue
+            st = [cache.state_of(t.uid) for t in tens]
+            if expert_type(st) == "full":
+                continue
+            want.append(e)
+            sts[e] = st
+        if not want:
+            return
+        tens = {e: rt.expert_tensors[(layer, e)] for e in want}
+        order, rank = issue_order(want, sts, tens)
+        for e in order:
+            self._pf_pending.append((layer, e, tens[e], sts[e], rank))
+
+    def _prefetch_fill(self) -> None:
+        W = self.rt.window
+        cache = self.rt.cache
+        while self._pf_pending and self._slots < W:
+            layer, e, tens, sts, rank = self._pf_pending.popleft()
+            # the state may have changed since the guess (the current layer admits): re-read it
+            now = [cache.state_of(t.uid) for t in tens]
+            if now != sts:
+                if expert_type(now) == "full":
+                    continue
+                sts = now
+                rank = issue_order([e], {e: now}, {e: tens})[1]
+            self._issue(layer, e, tens, sts, rank, True, self._pf, (layer, e))
+            self.rt.counters.add_prefetch("issued")
 
     def _to_device(self, fl) -> None:
         for f in fl:
