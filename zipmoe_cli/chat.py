@@ -101,6 +101,7 @@ def chat(
     threads: int = typer.Option(0, "--threads", help="Torch threads (default: the cores the workers leave)."),
     warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (config.json's), bfloat16 or float32."),
+    force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Chat with a model served from its container, bit-identical to the original."""
     from rich.console import Console
@@ -112,6 +113,10 @@ def chat(
 
     if as_json and prompt is None:
         raise UsageError("--json needs --prompt (one turn, one JSON document)")
+    if force:
+        import os
+
+        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (serve/memlimit.py)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if temperature is not None and temperature < 0:

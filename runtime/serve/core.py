@@ -138,6 +138,7 @@ class Runtime:
         # routers are loaded; pointless when every expert fits whole in the full pool
         self.predictor = None
         self.prefetch = bool(prefetch)
+        self.memory_limit: dict | None = None  # the loader's memlimit.check figures
         self._lock = threading.Lock()
         self._inflight = 0
         self._trace: TraceWriter | None = None
@@ -231,6 +232,7 @@ class Runtime:
             "direct_io_fallback": self.store.fallback_reason,
             "cache_age_tokens": self.cache_age,
             "prefetch": self.prefetch and self.predictor is not None,
+            "memory_limit": self.memory_limit,
         }
 
     # ------------------------------------------------------------------ tracing

@@ -164,7 +164,7 @@ def _experts_modules(model, family: Family, config: dict):
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
          direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None,
-         readers: int | None = None, prefetch: bool = True):
+         readers: int | None = None, prefetch: bool = True, force: bool | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -179,6 +179,9 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
     container and the cache's compressed pools; float32 experts are converted (exactly) after
     the merge, and the full pool holds them as float32.
+    ``force``: load even when the process's memory limit (cgroup, RLIMIT_AS/DATA) is below its
+    baseline + the budget + the KV cache (``serve.memlimit``; otherwise BudgetError says so with
+    the figures). None: the environment variable ``ZIPMOE_FORCE=1`` (what ``--force`` sets).
     ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
     probably choose (``serve.prefetch``; predictions only move bytes).
     ``readers``: reader threads, i.e. the queue depth of expert reads (default
@@ -203,7 +206,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     reader = ContainerReader(path)
     try:
         return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, cache_age=cache_age,
-                     readers=readers, prefetch=prefetch)
+                     readers=readers, prefetch=prefetch, force=force)
     finally:
         reader.close()
 
@@ -240,7 +243,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          cache_age=None, readers=None, prefetch=True):
+          cache_age=None, readers=None, prefetch=True, force=None):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -335,6 +338,12 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         from zipmoe.runtime.serve.core import dry_requirements
 
         return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
+    from zipmoe.runtime.serve.memlimit import check as check_memory, kv_cache_bytes
+
+    if force is None:
+        force = os.environ.get("ZIPMOE_FORCE", "") not in ("", "0")
+    kv = kv_cache_bytes(cfg_dict, torch.empty((), dtype=compute_dtype).element_size())
+    memory = check_memory(budget_bytes, kv, force=bool(force))
     rt = Runtime(
         path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
@@ -343,6 +352,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
         cache_age=cache_age, readers=readers, prefetch=prefetch,
     )
+    rt.memory_limit = memory
     try:
         state = {}
         for entry, key, target in to_load:
