@@ -151,7 +151,7 @@ def test_a_corrupted_chunk_met_by_a_prefetch_fails_only_when_needed(tmp_path_fac
     with torch.no_grad():
         want = ref(**batch).logits
 
-    model, _ = zipmoe.load(bad, budget=budget, workers=2)
+    model, _ = zipmoe.load(bad, budget=budget, workers=2, prefetch=True)
     rt = model.zipmoe
     try:
         # the prefetch reads the corrupted expert (predicted, not chosen): the step is good
@@ -187,7 +187,7 @@ def test_a_corrupted_chunk_met_by_a_prefetch_fails_only_when_needed(tmp_path_fac
 def test_precision_and_recall_are_counted_per_layer(tmp_path_factory):
     src, path = container(tmp_path_factory, "olmoe")
     req = requirements(path, workers=2)
-    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, prefetch=True)
     rt = model.zipmoe
     try:
         batch = inputs(_vocab(src), False, batch=1, seed=2)
@@ -204,10 +204,20 @@ def test_precision_and_recall_are_counted_per_layer(tmp_path_factory):
         rt.close()
 
 
+def test_prefetch_is_off_by_default_on_the_cpu(tmp_path_factory):
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    try:
+        assert model.zipmoe.prefetch is False and model.zipmoe.describe()["prefetch"] is False
+    finally:
+        model.zipmoe.close()
+
+
 def test_no_predictor_when_every_expert_is_resident(tmp_path_factory):
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=2)
-    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=2, prefetch=True)
     try:
         assert model.zipmoe.predictor is None and model.zipmoe.describe()["prefetch"] is False
     finally:

@@ -164,7 +164,7 @@ def _experts_modules(model, family: Family, config: dict):
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
          direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", cache_age: int | None = None,
-         readers: int | None = None, prefetch: bool = True, force: bool | None = None):
+         readers: int | None = None, prefetch: bool | None = None, force: bool | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -183,7 +183,9 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     baseline + the budget + the KV cache (``serve.memlimit``; otherwise BudgetError says so with
     the figures). None: the environment variable ``ZIPMOE_FORCE=1`` (what ``--force`` sets).
     ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
-    probably choose (``serve.prefetch``; predictions only move bytes).
+    probably choose (``serve.prefetch``; predictions only move bytes). None (default): on when
+    the device is CUDA; off on the CPU, where decoding mispredicted experts takes cores from the
+    compute (docs/runtime.md, "Prefetch across layers").
     ``readers``: reader threads, i.e. the queue depth of expert reads (default
     ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
     ``cache.DEFAULT_AGE_TOKENS``; 0: never).
@@ -243,7 +245,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          cache_age=None, readers=None, prefetch=True, force=None):
+          cache_age=None, readers=None, prefetch=None, force=None):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -350,7 +352,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
-        cache_age=cache_age, readers=readers, prefetch=prefetch,
+        cache_age=cache_age, readers=readers, prefetch=(dev.type == "cuda") if prefetch is None else prefetch,
     )
     rt.memory_limit = memory
     try:
