@@ -222,3 +222,20 @@ def test_no_predictor_when_every_expert_is_resident(tmp_path_factory):
         assert model.zipmoe.predictor is None and model.zipmoe.describe()["prefetch"] is False
     finally:
         model.zipmoe.close()
+
+
+def test_environment_chooses_prefetch_and_readers(tmp_path_factory, monkeypatch):
+    from zipmoe.errors import UsageError
+
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=2)
+    monkeypatch.setenv("ZIPMOE_PREFETCH", "1")
+    monkeypatch.setenv("ZIPMOE_READERS", "3")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    try:
+        assert model.zipmoe.prefetch is True and model.zipmoe.readers == 3
+    finally:
+        model.zipmoe.close()
+    monkeypatch.setenv("ZIPMOE_PREFETCH", "yes")
+    with pytest.raises(UsageError, match="ZIPMOE_PREFETCH"):
+        zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)

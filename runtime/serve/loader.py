@@ -183,11 +183,11 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     baseline + the budget + the KV cache (``serve.memlimit``; otherwise BudgetError says so with
     the figures). None: the environment variable ``ZIPMOE_FORCE=1`` (what ``--force`` sets).
     ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
-    probably choose (``serve.prefetch``; predictions only move bytes). None (default): on when
-    the device is CUDA; off on the CPU, where decoding mispredicted experts takes cores from the
+    probably choose (``serve.prefetch``; predictions only move bytes). None (default):
+    ``ZIPMOE_PREFETCH=0/1`` when set, else on when the device is CUDA; off on the CPU, where decoding mispredicted experts takes cores from the
     compute (docs/runtime.md, "Prefetch across layers").
     ``readers``: reader threads, i.e. the queue depth of expert reads (default
-    ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
+    ``ZIPMOE_READERS`` when set, else ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
     ``cache.DEFAULT_AGE_TOKENS``; 0: never).
     The tokenizer is None when the container has no tokenizer files.
     """
@@ -352,7 +352,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
-        cache_age=cache_age, readers=readers, prefetch=(dev.type == "cuda") if prefetch is None else prefetch,
+        cache_age=cache_age, readers=_env_int("ZIPMOE_READERS") if readers is None else readers,
+        prefetch=_default_prefetch(dev) if prefetch is None else prefetch,
     )
     rt.memory_limit = memory
     try:
@@ -407,6 +408,25 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise UsageError(f"{name}={v!r}: expected a whole number of at least 1")
+    return int(v)
+
+
+def _default_prefetch(dev) -> bool:
+    """On for CUDA, off on the CPU; ``ZIPMOE_PREFETCH=0/1`` decides instead (bench ablations)."""
+    v = os.environ.get("ZIPMOE_PREFETCH", "").strip()
+    if v in ("0", "1"):
+        return v == "1"
+    if v:
+        raise UsageError(f"ZIPMOE_PREFETCH={v!r}: expected 0 or 1")
+    return dev.type == "cuda"
 
 
 def _attach_predictor(model, rt, experts, num_experts: int) -> None:
