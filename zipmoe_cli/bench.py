@@ -101,13 +101,8 @@ def bench(
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
     report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
     compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
-    force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
-    if force:
-        import os
-
-        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check, in the engine workers too
     from zipmoe.errors import UsageError
     from zipmoe.runtime.bench import engines as bench_engines
     from zipmoe.runtime.bench import run as bench_run
