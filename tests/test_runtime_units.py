@@ -364,7 +364,7 @@ def test_ctrl_c_while_a_cached_expert_computes_waits_for_the_fetches_in_flight(t
     run = sched.run
     hit = {"n": 0}
 
-    def run_interrupting(layer, experts, compute):
+    def run_interrupting(layer, experts, compute, *rest):
         def first_compute_interrupts(e, weights):
             cached = all(rt.cache.state_of(t.uid) == "full" for t in rt.expert_tensors[(layer, e)])
             if cached and rt._inflight > 0 and hit["n"] == 0:  # a cached expert, fetches in flight
@@ -372,7 +372,7 @@ def test_ctrl_c_while_a_cached_expert_computes_waits_for_the_fetches_in_flight(t
                 raise KeyboardInterrupt
             return compute(e, weights)
 
-        return run(layer, experts, first_compute_interrupts)
+        return run(layer, experts, first_compute_interrupts, *rest)
 
     sched.run = run_interrupting
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]

@@ -51,3 +51,8 @@ class DeviceError(ZipmoeError):
 
 class ModelError(ZipmoeError):
     """An unsupported architecture or a model/plan/trace mismatch."""
+
+
+class ServingError(ZipmoeError):
+    """A reader or decode thread failed while serving (an I/O error, or a bug): the layer that
+    waited for it stops with this one line instead of waiting forever."""

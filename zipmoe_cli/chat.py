@@ -78,7 +78,15 @@ def _cumulative(model) -> str:
             + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in h.items())
             + f"; stage seconds read {t['read']:.2f}, decode {t['decode']:.2f}, merge {t['merge']:.2f}, "
               f"compute {t['compute']:.2f}, wait {t['wait']:.2f}; peak held {format_size(c['peak_held_bytes'])} "
-              f"of {format_size(rt.budget)}\npools: {pool_s}")
+              f"of {format_size(rt.budget)}{_fallback(rt, c)}\npools: {pool_s}")
+
+
+def _fallback(rt, c: dict) -> str:
+    """Buffered reads are shown, never silent: the page cache may have served them."""
+    if not c.get("buffered_reads") and not c.get("direct_fallbacks"):
+        return ""
+    why = getattr(rt.store, "fallback_reason", None) or "direct_io off"
+    return f"; {c.get('buffered_reads', 0)} buffered reads (no O_DIRECT: {why})"
 
 
 def chat(
@@ -101,6 +109,7 @@ def chat(
     warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (config.json's), bfloat16 or float32."),
     kernels: str = typer.Option("exact", "--kernels", metavar="exact|fast", help="exact: bit-identical to transformers' eager experts; fast: its grouped_mm experts (bit-identical to experts_implementation=\"grouped_mm\"; needs every expert in the budget)."),
+    force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Chat with a model served from its container, bit-identical to the original."""
     from rich.console import Console
@@ -115,6 +124,10 @@ def chat(
     prompts = list(prompt or [])
     if as_json and not prompts:
         raise UsageError("--json needs --prompt (one turn, one JSON document)")
+    if force:
+        import os
+
+        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (serve/memlimit.py)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if temperature is not None and temperature < 0:

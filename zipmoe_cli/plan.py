@@ -52,8 +52,13 @@ def plan(
     dtype: str = typer.Option("bfloat16", "--dtype", metavar="bfloat16|float32|auto", help="What the model will compute in (as `zipmoe.load(dtype=...)`): float32 experts take twice the memory in the full pool."),
     calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
+    force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
+    if force:
+        import os
+
+        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (serve/memlimit.py)
     from rich.console import Console
 
     from zipmoe.codecs.reader import ContainerReader

@@ -35,25 +35,51 @@ pools follow the planner's assignment rule (hottest tensors in the first pool, t
 the next). Measured (docs/benchmarks.md section 7): on the CPU models tried, the pools had
 converged without it (hits moved by at most 0.03 per layer). So each pool converges to the
 most frequently used tensors it can hold.
+
+Structure (O(1) LFU with frequency buckets). Each pool keeps its residents in buckets by count
+(``{count: OrderedDict(uid -> None)}``, least recent use first within a bucket) and a sorted list
+of the counts that have a bucket. A touch moves a resident from bucket ``c`` to ``c + 1`` (its
+place there: after every resident used before it, i.e. at the end, as touches come in clock
+order); an admission walks the buckets from the lowest count up and stops at the first victim
+set that makes room, or at the admitted tensor's own count. Nothing is added per hit: the memory
+is the counts and clocks of the tensors ever used (bounded by the number of expert tensors) plus
+one bucket entry per resident. (The previous heap got an entry per hit: 1.92 M entries after
+10k tokens with every expert resident, and one admission copied and popped all of them, 6.1 s.)
+
+Aging. Every ``age_every`` touches (the runtime sets it to ``age_tokens`` tokens' worth of
+expert uses: ``age_tokens * top_k * tensors per expert * sparse layers``, i.e. exactly
+``age_tokens`` tokens at batch 1; :data:`DEFAULT_AGE_TOKENS`, ``zipmoe.load(cache_age=N)``,
+0 turns aging off) every count is halved (rounded down) and the buckets rebuilt (O(tensors)
+once per period, so O(1) per touch amortised). Without it counts only grow: after a change of
+topic the experts now hot could not displace those that were hot for the first thousands of
+tokens (their counts would have to catch up first). With it a count is an exponentially
+decayed use frequency (half-life ``age_tokens`` tokens), the ranking the planner assumes is the
+recent one, and the counts stay small.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
+from collections import OrderedDict
 
-__all__ = ["Pool", "ExpertCache", "POOLS"]
+__all__ = ["Pool", "ExpertCache", "POOLS", "DEFAULT_AGE_TOKENS"]
 
 POOLS = ("full", "compressed", "sm_only", "e_only")
 
+DEFAULT_AGE_TOKENS = 4096  # counts halve every this many tokens (batch 1); see the module doc
+
 
 class Pool:
+    """One pool: its residents (``items``) and their LFU buckets (see the module doc)."""
+
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = int(max(0, capacity))
         self.used = 0
         self.items: dict[int, tuple[int, object]] = {}  # uid -> (nbytes, data)
-        self._heap: list = []  # (count, last, uid) lazily invalidated
+        self.buckets: dict[int, OrderedDict] = {}  # count -> residents, least recent first
+        self.counts: list[int] = []  # the keys of ``buckets``, ascending
         # optional hooks (the full pool's device slots, serve/slots.py): adopt(uid, data) -> the
         # data to keep; release(uid, data) when a tensor leaves the pool
         self.adopt = None
@@ -62,12 +88,46 @@ class Pool:
     def __len__(self) -> int:
         return len(self.items)
 
+    # --- buckets
+    def _bucket(self, cnt: int) -> OrderedDict:
+        b = self.buckets.get(cnt)
+        if b is None:
+            b = self.buckets[cnt] = OrderedDict()
+            bisect.insort(self.counts, cnt)
+        return b
+
+    def _unbucket(self, uid: int, cnt: int) -> None:
+        b = self.buckets[cnt]
+        del b[uid]
+        if not b:
+            del self.buckets[cnt]
+            del self.counts[bisect.bisect_left(self.counts, cnt)]
+
+    def _enter(self, uid: int, cnt: int, last: int, last_of) -> None:
+        """Put ``uid`` in bucket ``cnt`` at its place by last use (the residents used after it,
+        at most those touched since, i.e. the layer's own, move behind it)."""
+        b = self._bucket(cnt)
+        later = []
+        while b:
+            tail = next(reversed(b))
+            if last_of(tail) <= last:
+                break
+            later.append(tail)
+            b.popitem(last=True)
+        b[uid] = None
+        for t in reversed(later):
+            b[t] = None
+
+    def entries(self) -> int:
+        """Bucket entries (one per resident): the structure's size, for the tests."""
+        return sum(len(b) for b in self.buckets.values())
+
 
 class ExpertCache:
-    def __init__(self, capacities: dict, demote=None) -> None:
+    def __init__(self, capacities: dict, demote=None, age_every: int = 0) -> None:
         """``demote(pool_name, data)``: the forms ``{lower_pool: (nbytes, data)}`` a tensor evicted
         from ``pool_name`` keeps (the cascade); None or ``{}`` drops it. Without it, evicted
-        tensors are dropped."""
+        tensors are dropped. ``age_every``: halve every count after this many touches (0: never)."""
         self.pools = {name: Pool(name, capacities.get(name, 0)) for name in POOLS}
         self.demote = demote  # None: no cascade (planner_check --no-cascade)
         self.demotions = 0  # evicted tensors that went to a lower pool
@@ -76,6 +136,10 @@ class ExpertCache:
         self.last: dict[int, int] = {}
         self._clock = itertools.count(1)
         self.pinned: set[int] = set()
+        self.age_every = max(0, int(age_every))
+        self._since_aging = 0
+        self.agings = 0  # how many times the counts were halved
+        self.examined = 0  # bucket entries looked at by admissions (the tests bound it)
 
     # --- queries
     def state_of(self, uid: int) -> str | None:
@@ -94,13 +158,43 @@ class ExpertCache:
     def summary(self) -> dict:
         return {n: {"capacity": p.capacity, "used": p.used, "tensors": len(p)} for n, p in self.pools.items()}
 
+    def structure_size(self) -> int:
+        """Entries the policy keeps (counts, clocks, bucket entries): bounded by the number of
+        tensors ever used plus the residents, whatever the number of hits."""
+        return len(self.count) + len(self.last) + sum(p.entries() + len(p.counts) for p in self.pools.values())
+
     # --- updates
     def touch(self, uid: int) -> None:
-        self.count[uid] = self.count.get(uid, 0) + 1
+        old = self.count.get(uid, 0)
+        self.count[uid] = old + 1
         self.last[uid] = next(self._clock)
         st = self.state.get(uid)
         if st is not None:
-            heapq.heappush(self.pools[st]._heap, (self.count[uid], self.last[uid], uid))
+            pool = self.pools[st]
+            pool._unbucket(uid, old)
+            pool._bucket(old + 1)[uid] = None  # the most recent use: the end of its bucket
+        if self.age_every:
+            self._since_aging += 1
+            if self._since_aging >= self.age_every:
+                self.age()
+
+    def age(self) -> None:
+        """Halve every count (rounded down) and rebuild the buckets; forget tensors whose count
+        reaches 0 and that no pool holds."""
+        self._since_aging = 0
+        self.agings += 1
+        for uid in list(self.count):
+            c = self.count[uid] >> 1
+            if c == 0 and uid not in self.state:
+                del self.count[uid]
+                self.last.pop(uid, None)
+            else:
+                self.count[uid] = c
+        for pool in self.pools.values():
+            pool.buckets.clear()
+            pool.counts.clear()
+            for uid in sorted(pool.items, key=lambda u: self.last.get(u, 0)):
+                pool._bucket(self.count.get(uid, 0))[uid] = None
 
     def _prio(self, uid: int) -> tuple[int, int]:
         return (self.count.get(uid, 0), self.last.get(uid, 0))
@@ -113,8 +207,7 @@ class ExpertCache:
         if free >= nbytes:
             return True
         need = nbytes - free
-        mine = self._prio(uid)
-        for victim, vbytes in self._victims(pool, mine[0]):
+        for victim, vbytes in self._victims(pool, self._prio(uid)[0]):
             need -= vbytes
             if need <= 0:
                 return True
@@ -122,23 +215,17 @@ class ExpertCache:
 
     def _victims(self, pool: Pool, below: int):
         """Evictable tensors of ``pool`` used fewer than ``below`` times, lowest (count, last) first."""
-        seen = set()
-        for cnt, last, uid in sorted(pool._heap) if len(pool._heap) < 64 else self._heap_iter(pool):
-            if uid in seen or uid not in pool.items or (cnt, last) != self._prio(uid):
-                continue
-            seen.add(uid)
+        for cnt in list(pool.counts):
             if cnt >= below:
-                break
-            if uid in self.pinned:
+                return
+            b = pool.buckets.get(cnt)
+            if not b:
                 continue
-            yield uid, pool.items[uid][0]
-
-    @staticmethod
-    def _heap_iter(pool: Pool):
-        # a copy popped in order: O(k log n) for the k victims we look at
-        h = list(pool._heap)
-        while h:
-            yield heapq.heappop(h)
+            for uid in list(b):
+                self.examined += 1
+                if uid in self.pinned:
+                    continue
+                yield uid, pool.items[uid][0]
 
     def offer(self, uid: int, forms: dict) -> str | None:
         """Place ``uid`` in the best pool above its state that takes it.
@@ -159,27 +246,33 @@ class ExpertCache:
             need = nbytes - (pool.capacity - pool.used)
             evicted = []
             if need > 0:
-                for victim, vbytes in list(self._victims(pool, self._prio(uid)[0])):
-                    evicted.append((victim, pool.items[victim][1]))
-                    self._remove(victim)
+                chosen = []
+                for victim, vbytes in self._victims(pool, self._prio(uid)[0]):
+                    chosen.append(victim)
                     need -= vbytes
                     if need <= 0:
                         break
+                for victim in chosen:
+                    evicted.append((victim, pool.items[victim][1]))
+                    self._remove(victim)
             if cur is not None:
                 self._remove(uid)
             if callable(data):
                 data = data()
-            if pool.adopt is not None:
-                data = pool.adopt(uid, data)
-            pool.items[uid] = (nbytes, data)
-            pool.used += nbytes
-            self.state[uid] = name
-            heapq.heappush(pool._heap, (*self._prio(uid), uid))
-            self._compact(pool)
+            self._insert(pool, uid, nbytes, data)
             for victim, vdata in evicted:
                 self._cascade(victim, name, vdata)
             return name
         return cur
+
+    def _insert(self, pool: Pool, uid: int, nbytes: int, data) -> None:
+        if pool.adopt is not None:
+            data = pool.adopt(uid, data)
+        pool.items[uid] = (nbytes, data)
+        pool.used += nbytes
+        self.state[uid] = pool.name
+        cnt, last = self._prio(uid)
+        pool._enter(uid, cnt, last, lambda u: self.last.get(u, 0))
 
     def _cascade(self, uid: int, from_pool: str, data) -> None:
         """Offer a tensor just evicted from ``from_pool`` to the pools below it, with what it keeps."""
@@ -195,12 +288,7 @@ class ExpertCache:
         pool = self.pools[pool_name]
         if self.state.get(uid) is not None or pool.capacity - pool.used < nbytes:
             return False
-        if pool.adopt is not None:
-            data = pool.adopt(uid, data)
-        pool.items[uid] = (nbytes, data)
-        pool.used += nbytes
-        self.state[uid] = pool_name
-        heapq.heappush(pool._heap, (*self._prio(uid), uid))
+        self._insert(pool, uid, nbytes, data)
         return True
 
     def _remove(self, uid: int) -> None:
@@ -212,6 +300,7 @@ class ExpertCache:
         pool.used -= nbytes
         if pool.release is not None:
             pool.release(uid, data)
+        pool._unbucket(uid, self.count.get(uid, 0))
 
     def drop(self, uid: int) -> None:
         self._remove(uid)
@@ -219,15 +308,3 @@ class ExpertCache:
     def clear(self) -> None:
         for uid in list(self.state):
             self._remove(uid)
-        for p in self.pools.values():
-            p._heap.clear()
-
-    @staticmethod
-    def _compact(pool: Pool) -> None:
-        if len(pool._heap) > 4 * len(pool.items) + 64:
-            live = {}
-            for cnt, last, uid in pool._heap:
-                if uid in pool.items and (uid not in live or (cnt, last) > live[uid]):
-                    live[uid] = (cnt, last)
-            pool._heap = [(c, l, u) for u, (c, l) in live.items()]
-            heapq.heapify(pool._heap)

@@ -40,10 +40,10 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from zipmoe.runtime.serve.cache import POOLS, ExpertCache
+from zipmoe.runtime.serve.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
 from zipmoe.runtime.serve.counters import Counters
 from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
-from zipmoe.runtime.serve.reads import ExpertStore
+from zipmoe.runtime.serve.reads import DEFAULT_READERS, ExpertStore
 from zipmoe.runtime.serve.trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
@@ -116,7 +116,8 @@ class Runtime:
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
                  budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16, slots=None) -> None:
+                 compute_dtype=torch.bfloat16, slots=None, cache_age: int | None = None, readers: int | None = None,
+                 prefetch: bool = True) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
@@ -130,8 +131,14 @@ class Runtime:
         self.dense_bytes = int(dense_bytes)
         self.budget = int(budget)
         self.workers = max(1, int(workers))
+        self.readers = DEFAULT_READERS if readers is None else max(1, int(readers))  # I/O threads: queue depth
         self.compute_dtype = compute_dtype
         self.counters = Counters()
+        # prefetch across layers (serve/prefetch.py): the loader sets the predictor once the
+        # routers are loaded; pointless when every expert fits whole in the full pool
+        self.predictor = None
+        self.prefetch = bool(prefetch)
+        self.memory_limit: dict | None = None  # the loader's memlimit.check figures
         self._lock = threading.Lock()
         self._inflight = 0
         self._trace: TraceWriter | None = None
@@ -176,7 +183,10 @@ class Runtime:
             self.slots = SlotMap(expert_tensors, caps["full"], compute_dtype, self.device, num_experts)
             caps["full"] = self.slots.nbytes  # the arenas' bytes, at most what the split gave
         self.pools = caps
-        self.cache = ExpertCache(caps, demote=demote)
+        # aging: counts halve every ``cache_age`` tokens' worth of expert uses (cache.py)
+        self.cache_age = DEFAULT_AGE_TOKENS if cache_age is None else max(0, int(cache_age))
+        per_token = max(1, int(top_k)) * len(next(iter(expert_tensors.values()), [])) * max(1, len(self.sparse_layers))
+        self.cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
         if self.slots is not None:
             self.slots.attach(self.cache)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
@@ -228,10 +238,15 @@ class Runtime:
             "pools": dict(self.pools),
             "split": self.split_source,
             "workers": self.workers,
+            "readers": self.readers,
             "device": str(self.device),
             "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
             "direct_io": self.store.direct,
             "slots": None if self.slots is None else {f"{k[0]} {list(k[1])}": a.slots for k, a in self.slots.arenas.items()},
+            "direct_io_fallback": self.store.fallback_reason,
+            "cache_age_tokens": self.cache_age,
+            "prefetch": self.prefetch and self.predictor is not None,
+            "memory_limit": self.memory_limit,
         }
 
     # ------------------------------------------------------------------ tracing
@@ -257,12 +272,16 @@ class Runtime:
             self._trace.end_step()
 
     # ------------------------------------------------------------------ serving
-    def run_layer(self, layer, experts: list, compute, trace_ids=None) -> None:
+    def run_layer(self, layer, experts: list, compute, trace_ids=None, hidden=None) -> None:
+        """``hidden``: the layer's expert input (the router's input), for the prefetch predictor."""
         t0 = time.perf_counter()
         if self._trace is not None and trace_ids is not None:
             self._trace.record(layer, trace_ids() if callable(trace_ids) else trace_ids)
+        predict = None
+        if self.prefetch and self.predictor is not None and hidden is not None:
+            predict = lambda: self.predictor.predict(layer, hidden)  # noqa: E731
         if experts:
-            self.scheduler.run(layer, experts, compute)
+            self.scheduler.run(layer, experts, compute, predict)
         self.counters.add_layer(layer, time.perf_counter() - t0, len(experts))
 
     def warm(self) -> int:

@@ -12,6 +12,10 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``reads_by_state``: the same reads split by the cache state of the tensor they were for
   (``none``: a miss reads E and SM; ``e_only`` reads SM; ``sm_only`` reads E), each
   ``[reads, bytes transferred, seconds]``: the read rate of each kind of fetch while serving
+* ``buffered_reads``: reads done without O_DIRECT (file system refused it, or ``direct_io=False``):
+  the page cache may have served them, so their rate is not the disk's
+* ``direct_fallbacks``: times the store fell back from O_DIRECT to buffered reads (at open or at
+  the first refused read; 0 when O_DIRECT works or was not asked for)
 * ``fresh_buffers``: reads that went into a newly mapped buffer instead of a reused one (each
   costs a page fault per 4 KiB: ``store.ReadBuffers``)
 * ``hits``: per state of an expert tensor when a layer needed it: ``full``, ``compressed``,
@@ -28,6 +32,13 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
   cache pools + in-flight working buffers), to compare with the budget
 * ``checksum_failures``: chunks whose checksum did not match (each one raised an error)
+* ``prediction_by_layer``: per sparse layer (string key) ``[predicted, chosen, both]``: experts
+  the prefetch predictor named for the layer, experts its router chose, and experts in both,
+  summed over layer calls (precision = both / predicted, recall = both / chosen;
+  :func:`prediction_quality`)
+* ``prefetch``: expert fetches ``issued`` on a prediction, ``used`` (the layer chose them),
+  ``dropped`` (it did not: read for nothing) and ``failed`` (a dropped one whose bytes were bad:
+  never raised, the layer did not need it)
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import time
 
 from zipmoe.runtime.serve.states import STATES
 
-__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES"]
+__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
 STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
 
@@ -53,6 +64,8 @@ class Counters:
         self.bytes_read_disk = 0
         self.reads = 0
         self.reads_by_state = {}
+        self.buffered_reads = 0
+        self.direct_fallbacks = getattr(self, "direct_fallbacks", 0)  # a property of the run: kept by reset
         self.fresh_buffers = 0
         self.hits = {s: 0 for s in STATES}
         self.expert_calls = 0
@@ -61,10 +74,15 @@ class Counters:
         self.layer_makespan_s: dict[str, list] = {}
         self.peak_held_bytes = getattr(self, "peak_held_bytes", 0)
         self.checksum_failures = 0
+        self.prediction_by_layer: dict[str, list] = {}
+        self.prefetch = {"issued": 0, "used": 0, "dropped": 0, "failed": 0}
 
     # --- updates (thread-safe where called from several threads)
-    def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None) -> None:
+    def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
+                 buffered: bool = False) -> None:
         with self._lock:
+            if buffered:
+                self.buffered_reads += 1
             self.bytes_read += payload
             self.bytes_read_disk += disk
             self.reads += 1
@@ -74,6 +92,10 @@ class Counters:
                 rec[0] += 1
                 rec[1] += disk
                 rec[2] += seconds
+
+    def note_direct_fallback(self) -> None:
+        with self._lock:
+            self.direct_fallbacks += 1
 
     def add_fresh_buffer(self) -> None:
         with self._lock:
@@ -97,6 +119,16 @@ class Counters:
         self.layer_calls += 1
         self.expert_calls += experts
 
+    def add_prediction(self, layer, predicted, chosen) -> None:
+        p, c = set(predicted), set(chosen)
+        rec = self.prediction_by_layer.setdefault(str(layer), [0, 0, 0])
+        rec[0] += len(p)
+        rec[1] += len(c)
+        rec[2] += len(p & c)
+
+    def add_prefetch(self, what: str, n: int = 1) -> None:
+        self.prefetch[what] += n
+
     def note_held(self, held: int) -> None:
         if held > self.peak_held_bytes:
             self.peak_held_bytes = held
@@ -109,6 +141,8 @@ class Counters:
                 "bytes_read_disk": self.bytes_read_disk,
                 "reads": self.reads,
                 "reads_by_state": copy.deepcopy(self.reads_by_state),
+                "buffered_reads": self.buffered_reads,
+                "direct_fallbacks": self.direct_fallbacks,
                 "fresh_buffers": self.fresh_buffers,
                 "hits": dict(self.hits),
                 "expert_calls": self.expert_calls,
@@ -117,15 +151,17 @@ class Counters:
                 "layer_makespan_s": copy.deepcopy(self.layer_makespan_s),
                 "peak_held_bytes": self.peak_held_bytes,
                 "checksum_failures": self.checksum_failures,
+                "prediction_by_layer": copy.deepcopy(self.prediction_by_layer),
+                "prefetch": dict(self.prefetch),
             }
 
 
 def delta(after: dict, before: dict) -> dict:
-    """``after - before`` of two snapshots (peak_held_bytes is taken from ``after``)."""
+    """``after - before`` of two snapshots (peak_held_bytes and direct_fallbacks are taken from ``after``)."""
     out = {}
     for k, v in after.items():
         b = before.get(k)
-        if k == "peak_held_bytes":
+        if k in ("peak_held_bytes", "direct_fallbacks"):
             out[k] = v
         elif k == "reads_by_state":
             b = b or {}
@@ -138,10 +174,27 @@ def delta(after: dict, before: dict) -> dict:
                 if c - bc:
                     d[layer] = [s - bs, c - bc, m]
             out[k] = d
+        elif k == "prediction_by_layer":
+            b = b or {}
+            out[k] = {layer: [x - y for x, y in zip(rec, b.get(layer, [0, 0, 0]))] for layer, rec in v.items()
+                      if rec[1] - b.get(layer, [0, 0, 0])[1]}
         elif isinstance(v, dict):
             out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
         else:
             out[k] = v - (b or 0)
+    return out
+
+
+def prediction_quality(snapshot: dict) -> dict:
+    """``{layer: {"precision", "recall"}}`` and ``"all"`` from a snapshot's (or delta's)
+    ``prediction_by_layer`` (None where nothing was predicted / chosen)."""
+    out = {}
+    tot = [0, 0, 0]
+    for layer, (p, c, both) in (snapshot.get("prediction_by_layer") or {}).items():
+        out[layer] = {"precision": both / p if p else None, "recall": both / c if c else None}
+        tot = [tot[0] + p, tot[1] + c, tot[2] + both]
+    if tot[1]:
+        out["all"] = {"precision": tot[2] / tot[0] if tot[0] else None, "recall": tot[2] / tot[1]}
     return out
 
 

@@ -140,7 +140,7 @@ def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         outputs[expert_idx] = (token_idx, current_hidden_states)
 
-    rt.run_layer(layer, experts, compute, trace_ids=lambda: ids.tolist())
+    rt.run_layer(layer, experts, compute, trace_ids=lambda: ids.tolist(), hidden=hidden_states)
     for expert_idx in experts:  # ascending: the eager accumulation order
         token_idx, current_hidden_states = outputs.pop(expert_idx)
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
@@ -244,7 +244,7 @@ class SwitchExperts(nn.Module):
             m = selected.reshape(selected.shape[0], -1)
             return [row.nonzero()[:, 0].tolist() for row in m]
 
-        self._zipmoe_runtime.run_layer(self._zipmoe_layer, experts, compute, trace_ids=trace_ids)
+        self._zipmoe_runtime.run_layer(self._zipmoe_layer, experts, compute, trace_ids=trace_ids, hidden=hidden_states)
         for e in experts:
             top_x, current_hidden_states = outputs.pop(e)
             final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))

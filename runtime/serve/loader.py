@@ -22,6 +22,7 @@ Steps (each a function below):
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
@@ -146,7 +147,8 @@ def _experts_modules(model, family: Family, config: dict):
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
          direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", slots=None,
-         kernels: str = "exact"):
+         kernels: str = "exact", cache_age: int | None = None, readers: int | None = None,
+         prefetch: bool | None = None, force: bool | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -167,6 +169,16 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     them, bit for bit) or ``"fast"`` (transformers' grouped_mm experts function over the slots:
     bit-identical to transformers with ``experts_implementation="grouped_mm"``, not to eager;
     fused families only; needs a budget that holds every expert, which it loads at once).
+    ``force``: load even when the process's memory limit (cgroup, RLIMIT_AS/DATA) is below its
+    baseline + the budget + the KV cache (``serve.memlimit``; otherwise BudgetError says so with
+    the figures). None: the environment variable ``ZIPMOE_FORCE=1`` (what ``--force`` sets).
+    ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
+    probably choose (``serve.prefetch``; predictions only move bytes). None (default):
+    ``ZIPMOE_PREFETCH=0/1`` when set, else on when the device is CUDA; off on the CPU, where decoding mispredicted experts takes cores from the
+    compute (docs/runtime.md, "Prefetch across layers").
+    ``readers``: reader threads, i.e. the queue depth of expert reads (default
+    ``ZIPMOE_READERS`` when set, else ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
+    ``cache.DEFAULT_AGE_TOKENS``; 0: never).
     The tokenizer is None when the container has no tokenizer files.
     """
     from zipmoe.codecs.reader import ContainerReader
@@ -190,7 +202,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     reader = ContainerReader(path)
     try:
         return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, slots=slots,
-                     kernels=kernels)
+                     kernels=kernels, cache_age=cache_age, readers=readers, prefetch=prefetch, force=force)
     finally:
         reader.close()
 
@@ -220,7 +232,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
 
 
 def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          slots=None, kernels="exact"):
+          slots=None, kernels="exact", cache_age=None, readers=None, prefetch=None, force=None):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -319,6 +331,12 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         from zipmoe.runtime.serve.core import dry_requirements
 
         return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
+    from zipmoe.runtime.serve.memlimit import check as check_memory, kv_cache_bytes
+
+    if force is None:
+        force = os.environ.get("ZIPMOE_FORCE", "") not in ("", "0")
+    kv = kv_cache_bytes(cfg_dict, torch.empty((), dtype=compute_dtype).element_size())
+    memory = check_memory(budget_bytes, kv, force=bool(force))
     rt = Runtime(
         path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
@@ -326,7 +344,10 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
         slots=slots,
+        cache_age=cache_age, readers=_env_int("ZIPMOE_READERS") if readers is None else readers,
+        prefetch=_default_prefetch(dev) if prefetch is None else prefetch,
     )
+    rt.memory_limit = memory
     if kernels == "fast" and rt.pools["full"] < rt.expert_bytes_full:
         from zipmoe.units import format_size
 
@@ -374,6 +395,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ModelError(f"the container lacks dense weights the model needs: {', '.join(missing[:3])}{more}")
         model.eval()  # the replacement modules too (SwitchExperts has a dropout)
+        _attach_predictor(model, rt, experts, num_experts)
         model.zipmoe = rt
         model.register_forward_pre_hook(lambda _m, args, kwargs: rt.begin_step(_input_shape(args, kwargs)), with_kwargs=True)
         model.register_forward_hook(lambda *_: rt.end_step())
@@ -385,6 +407,41 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise UsageError(f"{name}={v!r}: expected a whole number of at least 1")
+    return int(v)
+
+
+def _default_prefetch(dev) -> bool:
+    """On for CUDA, off on the CPU; ``ZIPMOE_PREFETCH=0/1`` decides instead (bench ablations)."""
+    v = os.environ.get("ZIPMOE_PREFETCH", "").strip()
+    if v in ("0", "1"):
+        return v == "1"
+    if v:
+        raise UsageError(f"ZIPMOE_PREFETCH={v!r}: expected 0 or 1")
+    return dev.type == "cuda"
+
+
+def _attach_predictor(model, rt, experts, num_experts: int) -> None:
+    """The prefetch predictor from the sparse layers' routers (``serve.prefetch``); none when
+    every expert fits whole in the full pool (nothing to prefetch) or a router is not found."""
+    from zipmoe.runtime.serve.prefetch import RouterPredictor, find_router
+
+    if rt.pools.get("full", 0) >= rt.expert_bytes_full:
+        return
+    routers = {}
+    for name, _mod, layer in experts:
+        w = find_router(name, model, num_experts)
+        if w is not None:
+            routers[layer] = w
+    if routers:
+        rt.predictor = RouterPredictor(routers, [layer for _, _, layer in experts], rt.top_k)
 
 
 def _input_shape(args, kwargs) -> list | None:

@@ -2,9 +2,9 @@
 
 * :class:`ExpertStore`: positional reads with ``O_DIRECT`` where the file system allows (the
   page cache then does not hide the disk), into page-aligned buffers (anonymous ``mmap``),
-  reading 4096-aligned ranges and slicing; plain ``pread`` where ``O_DIRECT`` is refused (tmpfs,
-  some overlay file systems: ``EINVAL``). Only the runtime's I/O thread calls
-  :meth:`ExpertStore.read`.
+  reading 4096-aligned ranges, cut into pieces that several reader threads read at once
+  (queue depth > 1, ``os.preadv`` releases the GIL), and slicing; plain ``pread`` where
+  ``O_DIRECT`` is refused (tmpfs, some overlay file systems: ``EINVAL``), counted and shown.
 * :class:`ReadBuffers`: those aligned buffers, reused. A fresh anonymous mapping costs a page
   fault per 4 KiB the first time the kernel writes into it, and in a VM a fault is expensive:
   on the CPU box, O_DIRECT reads of 1.7 MB ran at 0.7 GiB/s into fresh mappings and at
@@ -26,6 +26,8 @@ from zipmoe.errors import ContainerError
 ALIGN = 4096
 _REUSE_SLACK_MIN = 2 * ALIGN  # so that a reused buffer rounded up to pages still fits (see ReadBuffers.get)
 _COALESCE_GAP = 64 * 1024  # read across gaps up to this size (alignment padding) in one call
+READ_PIECE = 1 << 20  # the largest single read: a tensor's range is cut into pieces the readers share
+DEFAULT_READERS = 4  # reader threads (queue depth); benchmarks/read_qd.py measures the disk's curve
 
 
 def reuse_slack(n: int) -> int:
@@ -103,20 +105,47 @@ class ReadBuffers:
 
 
 class ExpertStore:
-    """Positional reads from the container, O_DIRECT when possible (one I/O thread)."""
+    """Positional reads from the container, O_DIRECT when possible, from several reader threads.
 
-    def __init__(self, path, counters=None, direct: bool = True) -> None:
+    A read of ``[offset, offset+length)`` covers the 4096-aligned range around it, cut into
+    pieces of at most ``piece`` bytes (:meth:`pieces`), each read by one ``os.preadv`` call
+    (:meth:`read_piece`) into its place in one aligned buffer. ``os.preadv`` releases the GIL,
+    so reader threads that each take a piece keep several requests in flight (queue depth = the
+    number of readers), which one thread reading a tensor in one call could not (it held the
+    disk at queue depth 1 and took the GIL back between reads). :meth:`read` does the pieces of
+    one range in the calling thread. Thread-safe.
+
+    O_DIRECT refused by the file system (``EINVAL`` on the first read: tmpfs, some overlay file
+    systems) falls back to buffered reads for the rest of the run; that is counted
+    (``Counters.direct_fallbacks``, ``buffered_reads``) and shown, not silent: a buffered read is
+    served by the page cache when the file is there, so figures measured so are not the disk's.
+    """
+
+    def __init__(self, path, counters=None, direct: bool = True, piece: int = None) -> None:
+        import threading
+
         self.path = str(path)
         self.counters = counters
         self.buffers = ReadBuffers(counters)
+        self.piece = max(ALIGN, (int(piece or READ_PIECE) // ALIGN) * ALIGN)
+        self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._dfd = -1
+        self.fallback_reason: str | None = None
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
+            except OSError as exc:
                 self._dfd = -1
+                self._fell_back(f"open with O_DIRECT: {exc.strerror}")
+        elif direct:
+            self._fell_back("this system has no O_DIRECT")
         self.direct = self._dfd >= 0
+
+    def _fell_back(self, why: str) -> None:
+        self.fallback_reason = why
+        if self.counters is not None:
+            self.counters.note_direct_fallback()
 
     def close(self) -> None:
         for fd in (self._fd, self._dfd):
@@ -132,6 +161,68 @@ class ExpertStore:
         """The aligned buffer a read of ``[offset, offset+length)`` needs (see ``buf``)."""
         return -(-(offset + length) // ALIGN) * ALIGN - (offset - offset % ALIGN)
 
+    def pieces(self, offset: int, length: int) -> list[tuple[int, int, int, int]]:
+        """The reads that make ``[offset, offset+length)`` whole: ``(file offset, offset in the
+        buffer, bytes, bytes needed)`` each (aligned; the last may be short at the end of the
+        file, but not shorter than its ``needed``)."""
+        start = offset - offset % ALIGN
+        end = -(-(offset + length) // ALIGN) * ALIGN
+        out = []
+        pos = start
+        while pos < end:
+            n = min(self.piece, end - pos)
+            need = max(0, min(pos + n, offset + length) - pos)
+            out.append((pos, pos - start, n, need))
+            pos += n
+        return out
+
+    def read_piece(self, buf, file_off: int, buf_off: int, n: int, need: int) -> tuple[int, bool]:
+        """Read ``n`` bytes at ``file_off`` into ``buf[buf_off:]``; returns (bytes read, direct?).
+        ContainerError when fewer than ``need`` bytes came (a truncated file) or the read failed."""
+        mv = memoryview(buf)[buf_off : buf_off + n]
+        try:
+            if self.direct:
+                try:
+                    return self._fill(self._dfd, mv, file_off, need), True
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT):
+                        raise ContainerError(f"cannot read {self.path}: {exc.strerror}") from None
+                    with self._lock:
+                        if self.direct:  # the first thread to meet it switches; the fd stays open for the others
+                            self.direct = False
+                            self._fell_back(f"O_DIRECT read refused: {exc.strerror}")
+            try:
+                return self._fill(self._fd, mv, file_off, need), False
+            except OSError as exc:
+                raise ContainerError(f"cannot read {self.path}: {exc.strerror}") from None
+        finally:
+            mv.release()
+
+    def _fill(self, fd: int, mv: memoryview, file_off: int, need: int) -> int:
+        got = 0
+        size = len(mv)
+        while got < size:
+            k = os.preadv(fd, [mv[got:]], file_off + got)
+            if k <= 0:
+                break
+            got += k
+        if got < need:
+            raise ContainerError(f"{self.path} is truncated: short read at offset {file_off + got}")
+        return got
+
+    def new_buffer(self, offset: int, length: int):
+        return mmap.mmap(-1, self.buffer_size(offset, length))  # anonymous memory is page aligned, as O_DIRECT wants
+
+    @staticmethod
+    def view(buf, offset: int, length: int) -> np.ndarray:
+        """The bytes ``[offset, offset+length)`` in ``buf`` after its pieces were read."""
+        lead = offset % ALIGN
+        return np.frombuffer(buf, np.uint8, count=lead + length)[lead:]
+
+    def account(self, payload: int, disk: int, seconds: float, state: str | None, direct: bool) -> None:
+        if self.counters is not None:
+            self.counters.add_read(payload, disk, seconds, state, buffered=not direct)
+
     def read(self, offset: int, length: int, payload: int | None = None, buf=None, state: str | None = None) -> np.ndarray:
         """Bytes ``[offset, offset+length)`` of the file as a uint8 array (a view into an aligned buffer).
 
@@ -140,61 +231,20 @@ class ExpertStore:
         ``buf``: a page-aligned buffer of at least :meth:`buffer_size` bytes to read into (one
         from :attr:`buffers`, for the caller to hand back once it no longer uses the view);
         without it a fresh one is mapped. ``state``: the cache state of the tensor read for
-        (``Counters.reads_by_state``)."""
-        t0 = time.perf_counter()
+        (``Counters.reads_by_state``). The pieces are read one after the other here; the
+        scheduler hands them to its reader threads instead."""
         if length <= 0:
             return np.empty(0, np.uint8)
-        if self.direct:
-            try:
-                arr, disk = self._read_direct(offset, length, buf)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT):
-                    raise ContainerError(f"cannot read {self.path}: {exc.strerror}") from None
-                os.close(self._dfd)
-                self._dfd = -1
-                self.direct = False
-                arr, disk = self._read_plain(offset, length, buf)
-        else:
-            arr, disk = self._read_plain(offset, length, buf)
-        if self.counters is not None:
-            self.counters.add_read(length if payload is None else payload, disk, time.perf_counter() - t0, state)
-        return arr
-
-    def _read_direct(self, offset: int, length: int, buf=None):
-        start = offset - offset % ALIGN
-        end = -(-(offset + length) // ALIGN) * ALIGN
-        size = end - start
+        t0 = time.perf_counter()
         if buf is None:
-            buf = mmap.mmap(-1, size)  # anonymous memory is page aligned, as O_DIRECT wants
-        mv = memoryview(buf)[:size]
-        got = 0
-        while got < size:
-            n = os.preadv(self._dfd, [mv[got:]], start + got)
-            if n <= 0:
-                break
-            got += n
-        mv.release()
-        if got < offset + length - start:
-            raise ContainerError(f"{self.path} is truncated: short read at offset {offset}")
-        arr = np.frombuffer(buf, np.uint8, count=size)
-        return arr[offset - start : offset - start + length], got
-
-    def _read_plain(self, offset: int, length: int, buf=None):
-        if buf is None:
-            arr = np.empty(length, np.uint8)
-        else:  # a reused buffer spares the page faults here too
-            arr = np.frombuffer(buf, np.uint8, count=length)
-        mv = memoryview(arr)
-        got = 0
-        while got < length:
-            try:
-                n = os.preadv(self._fd, [mv[got:]], offset + got)
-            except OSError as exc:
-                raise ContainerError(f"cannot read {self.path}: {exc.strerror}") from None
-            if n <= 0:
-                raise ContainerError(f"{self.path} is truncated: short read at offset {offset + got}")
-            got += n
-        return arr, length
+            buf = self.new_buffer(offset, length)
+        disk, direct = 0, True
+        for file_off, buf_off, n, need in self.pieces(offset, length):
+            got, d = self.read_piece(buf, file_off, buf_off, n, need)
+            disk += got
+            direct = direct and d
+        self.account(length if payload is None else payload, disk, time.perf_counter() - t0, state, direct)
+        return self.view(buf, offset, length)
 
 
 def slice_of(buffers: list[tuple[int, np.ndarray]], rng: tuple[int, int]) -> np.ndarray:
