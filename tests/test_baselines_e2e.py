@@ -62,12 +62,8 @@ def test_deepspeed_nvme_offload_or_one_line(tiny, capsys, monkeypatch):
     code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-nvme")
     if importlib.util.find_spec("deepspeed") is None:
         return _missing_extra(code, cap, doc, "deepspeed")
-    from zipmoe.runtime.bench import deepspeed_engine
-
-    deepspeed_engine.single_process_env("cpu")
-    ok, why = deepspeed_engine.aio_available()
     ds = next(d for d in doc["results"] if d["engine"] == "deepspeed")
-    if not ok:  # no libaio (CI): one line saying why, zipmoe's results kept
+    if not ds["ok"]:  # the worker found no async_io op (CI has no libaio): one line saying why, zipmoe's results kept
         err = [x for x in cap.err.splitlines() if x.startswith("zipmoe: error")]
         assert code == 1 and len(err) == 1 and "async_io" in err[0] and "libaio" in err[0]
         assert not ds["ok"] and [d["engine"] for d in doc["results"] if d["ok"]] == ["zipmoe"]
