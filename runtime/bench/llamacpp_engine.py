@@ -77,7 +77,9 @@ class LlamaCppModel:
                   n_threads_batch=threads, use_mmap=True, use_mlock=False, n_gpu_layers=-1 if spec["device"] == "cuda" else 0,
                   logits_all=False, verbose=False, seed=0)
         self.llm = llama_cpp.Llama(**kw)
-        self.eos = [e for e in _eos_ids(spec.get("source")) if 0 <= e < self.llm.n_vocab()]
+        self._lib = llama_cpp
+        self.n_vocab = self.llm.n_vocab()
+        self.eos = [e for e in _eos_ids(spec.get("source")) if 0 <= e < self.n_vocab]
         self.device = spec["device"]
         info.update(path=str(path), kwargs={k: str(v) for k, v in kw.items() if k != "model_path"}, n_vocab=self.llm.n_vocab(),
                     batch_mode="rows one after another (llama-cpp-python serves one sequence)")
@@ -85,7 +87,9 @@ class LlamaCppModel:
     def _greedy_next(self) -> int:
         import numpy as np
 
-        logits = np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32, copy=True)
+        # the last evaluated token's logits, straight from llama.cpp (Llama.scores is only kept with logits_all)
+        ptr = self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
         if self.eos:
             logits[self.eos] = -np.inf
         return int(np.argmax(logits))
