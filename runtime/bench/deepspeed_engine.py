@@ -16,6 +16,11 @@ Where the parameters go (``zero_optimization.offload_param``):
   ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count), the
   parameters kept resident (``stage3_param_persistence_threshold``: the norms) and the live
   parameters are sized from the budget (:func:`ds_config`).
+  Loading is not budgeted: ZeRO-3's ``from_pretrained`` (zero.Init) reads checkpoint shards into
+  host memory while it partitions them into the swap folder, and the demo model at 400M and
+  800M was killed by the memory cgroup while loading. The worker therefore tightens this
+  engine's cgroup to budget + baseline + margin once the model is loaded (``load_note`` in the
+  result; ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET=1`` keeps the budget during loading too).
 - ``cpu`` when the async-I/O op cannot be built here (or ``ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=cpu``;
   ``=nvme`` insists on NVMe and fails with one line where it cannot be built): every parameter stays in host memory,
   which **breaks the budget**. The engine still runs, outside the budget (its memory cgroup is
@@ -31,6 +36,10 @@ from zipmoe.errors import BudgetError, UsageError
 
 EXTRA_LINE = "baseline 'deepspeed' needs the deepspeed package: pip install 'zipmoe[baselines]'"
 BUDGET_BROKEN = "DeepSpeed kept every parameter in CPU memory (offload_param cpu: {why}), so it ran outside the budget"
+
+
+LOAD_NOTE = ("DeepSpeed's ZeRO-3 from_pretrained holds checkpoint shards in host memory while it partitions them "
+             "into the NVMe offload, so its memory cgroup is tightened to the budget once the model is loaded")
 
 
 def _free_port() -> int:
@@ -99,6 +108,8 @@ def before_load(spec: dict) -> dict:
     if forced == "nvme" and not ok:
         raise UsageError(f"ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=nvme but DeepSpeed's async_io op cannot be built here: {why}")
     info = {"deepspeed": deepspeed.__version__, "offload_param": "nvme" if ok else "cpu", "ds_env": single_process_env(spec["device"])}
+    if ok and os.environ.get("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "") != "1":
+        info["cgroup_after_load"] = LOAD_NOTE
     if not ok:
         info["budget_broken"] = BUDGET_BROKEN.format(why=why)
     return info
