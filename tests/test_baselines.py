@@ -192,9 +192,11 @@ def test_deepspeed_config_follows_the_budget(mixtral):
     z = cfg["zero_optimization"]
     assert z["stage"] == 3 and z["offload_param"]["device"] == "nvme" and z["offload_param"]["max_in_cpu"] == 0
     buf = z["offload_param"]["buffer_size"] * 2 * z["offload_param"]["buffer_count"]
-    assert buf <= budget // 2 + z["offload_param"]["buffer_size"] * 2 and z["offload_param"]["buffer_count"] >= 2
-    with pytest.raises(BudgetError, match="two swap buffers"):
-        deepspeed_engine.ds_config(1024, "nvme", "/x", src)
+    assert z["offload_param"]["buffer_count"] == 8 and buf <= budget // 2 + z["offload_param"]["buffer_size"] * 2
+    small = deepspeed_engine.ds_config(5 * 2 * largest, "nvme", "/x", src)["zero_optimization"]
+    assert small["offload_param"]["buffer_count"] == deepspeed_engine.MIN_BUFFERS == 5
+    with pytest.raises(BudgetError, match="needs 5 swap buffers"):
+        deepspeed_engine.ds_config(5 * 2 * largest - 1, "nvme", "/x", src)
     cpu = deepspeed_engine.ds_config(budget, "cpu", None, src)["zero_optimization"]
     assert cpu["offload_param"] == {"device": "cpu", "pin_memory": False}
 

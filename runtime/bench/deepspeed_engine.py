@@ -115,6 +115,11 @@ def before_load(spec: dict) -> dict:
     return info
 
 
+# DeepSpeed's default buffer_count. With fewer, ZeRO-3 inference on the demo model either stopped
+# ("Not enough buffers 0 for swapping 1") or, with 2-3 buffers, decoded wrong tokens from the first one.
+MIN_BUFFERS = 5
+
+
 def _param_numels(source) -> tuple[int, int, int]:
     """(largest parameter, total parameters, count) of the checkpoint, in elements, from its headers
     (fused expert tensors counted as transformers builds them)."""
@@ -150,20 +155,22 @@ def _param_numels(source) -> tuple[int, int, int]:
 def ds_config(budget: int, offload: str, nvme_path: str | None, source, bytes_per_param: int = 2) -> dict:
     """The ZeRO-3 inference config for a budget (bytes).
 
-    NVMe: ``buffer_count`` buffers of the largest parameter's size (at least 2; more while they
-    fit half the budget), ``max_in_cpu`` 0, persistence threshold 1/64 of the remaining budget
+    NVMe: ``buffer_count`` buffers of the largest parameter's size (at least :data:`MIN_BUFFERS`;
+    up to 8 while they fit half the budget), ``max_in_cpu`` 0, persistence threshold 1/64 of the remaining budget
     (the norms and other small tensors stay resident), live parameters the rest. Raises
-    :class:`BudgetError` when two buffers of the largest parameter do not fit the budget.
+    :class:`BudgetError` when :data:`MIN_BUFFERS` buffers of the largest parameter do not fit the budget.
     """
     largest, _total, _count = _param_numels(source)
     largest = max(largest, 1)
     buf_bytes = largest * bytes_per_param
     zero: dict = {"stage": 3, "overlap_comm": False, "contiguous_gradients": False, "stage3_prefetch_bucket_size": 0}
     if offload == "nvme":
-        if 2 * buf_bytes > budget:
-            raise BudgetError(f"engine deepspeed cannot run in budget {budget} bytes: its NVMe offload needs two swap buffers of the largest "
-                              f"parameter ({buf_bytes} bytes each)")
-        count = max(2, min(8, (budget // 2) // buf_bytes))
+        if MIN_BUFFERS * buf_bytes > budget:
+            from zipmoe.units import format_size
+
+            raise BudgetError(f"engine deepspeed cannot run in budget {format_size(budget)}: its NVMe offload needs {MIN_BUFFERS} swap buffers "
+                              f"of the largest parameter ({format_size(buf_bytes)} each)")
+        count = max(MIN_BUFFERS, min(8, (budget // 2) // buf_bytes))
         rest = max(budget - count * buf_bytes, 0)
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False, "buffer_count": int(count),
                                  "buffer_size": int(largest), "max_in_cpu": 0}
