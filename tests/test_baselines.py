@@ -291,3 +291,11 @@ def test_llamacpp_tokens_are_a_figure_not_a_check():
     assert tc["compared"] == 0 and not tc["mismatches"]
     runs.append(_run("deepspeed", 1, 0.1, tokens=[[1, 9, 9, 9]]))
     assert not report.token_check(runs)["same"]  # deepspeed computes with transformers: checked
+
+
+def test_paper_tables_a_merged_rerun_replaces_the_failure():
+    doc, M = _doc()
+    doc["errors"].append({"engine": "deepspeed", "budget": M, "error": "engine deepspeed cannot run in budget 400 MiB: killed"})
+    t = tables.build(doc)
+    cell = next(r for r in t["tables"]["latency"]["rows"] if r["engine"] == "deepspeed")["tpot_s"]
+    assert cell["value"] is not None and not any("deepspeed @" in n and "cannot run" in n for n in t["notes"])

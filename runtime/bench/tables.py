@@ -58,6 +58,8 @@ def _status(doc: dict) -> dict:
             out.setdefault((eng, e.get("budget")), {})["error"] = e.get("error")
     for r in doc.get("results") or []:
         key = (r.get("engine"), r.get("budget"))
+        if r.get("ok") and key in out:  # a later run (--merge) replaced the failed one
+            out[key].pop("error", None)
         if not r.get("ok") and r.get("error"):
             out.setdefault(key, {})["error"] = r["error"]
         if r.get("budget_broken"):
