@@ -174,9 +174,10 @@ def ds_config(budget: int, offload: str, nvme_path: str | None, source, bytes_pe
         rest = max(budget - count * buf_bytes, 0)
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False, "buffer_count": int(count),
                                  "buffer_size": int(largest), "max_in_cpu": 0}
-        zero["stage3_param_persistence_threshold"] = int(max(rest // 64 // bytes_per_param, 0))
+        # no persistent parameters and DeepSpeed's default reuse distance: with norms kept resident
+        # (a persistence threshold) and stage3_max_reuse_distance 0, the demo decoded a wrong third token
+        zero["stage3_param_persistence_threshold"] = 0
         zero["stage3_max_live_parameters"] = int(max(rest // bytes_per_param, largest))
-        zero["stage3_max_reuse_distance"] = 0
     else:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
         zero["stage3_param_persistence_threshold"] = 0
