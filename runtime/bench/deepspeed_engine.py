@@ -13,9 +13,8 @@ Where the parameters go (``zero_optimization.offload_param``):
 - ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``;
   JIT-compiled once into ~/.cache/torch_extensions) swaps every parameter to a folder (the
   engine's offload folder) and reads each module's parameters back into a pool of
-  ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count), the
-  parameters kept resident (``stage3_param_persistence_threshold``: the norms) and the live
-  parameters are sized from the budget (:func:`ds_config`).
+  ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count) and the
+  live parameters are sized from the budget (:func:`ds_config`); no parameter stays resident.
   Loading is not budgeted: ZeRO-3's ``from_pretrained`` (zero.Init) reads checkpoint shards into
   host memory while it partitions them into the swap folder, and the demo model at 400M and
   800M was killed by the memory cgroup while loading. The worker therefore tightens this
@@ -156,8 +155,8 @@ def ds_config(budget: int, offload: str, nvme_path: str | None, source, bytes_pe
     """The ZeRO-3 inference config for a budget (bytes).
 
     NVMe: ``buffer_count`` buffers of the largest parameter's size (at least :data:`MIN_BUFFERS`;
-    up to 8 while they fit half the budget), ``max_in_cpu`` 0, persistence threshold 1/64 of the remaining budget
-    (the norms and other small tensors stay resident), live parameters the rest. Raises
+    up to 8 while they fit half the budget), ``max_in_cpu`` 0, no persistent parameters, live
+    parameters the rest. Raises
     :class:`BudgetError` when :data:`MIN_BUFFERS` buffers of the largest parameter do not fit the budget.
     """
     largest, _total, _count = _param_numels(source)
