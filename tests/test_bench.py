@@ -134,7 +134,7 @@ def test_parse_lists_and_engines():
         with pytest.raises(UsageError):
             bench_run.parse_int_list(bad, "--batch")
     with pytest.raises(UsageError, match="unknown engine"):
-        bench_engines.engine("deepspeed")
+        bench_engines.engine("vllm")
     cfg = bench_run.BenchConfig(container=None, engines=["zipmoe", "resident", "accelerate"], budgets=[1, 2])
     assert bench_run.plan_work(cfg) == [("zipmoe", 1), ("zipmoe", 2), ("resident", None), ("accelerate", 1), ("accelerate", 2)]
     assert bench_engines.hf_max_memory(100, "cuda") == {0: 100, "cpu": 0}
@@ -401,8 +401,8 @@ def _cli(argv, capsys):
 
 
 def test_cli_bad_input_one_line(capsys, tmp_path):
-    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--baseline", "deepspeed", "--budget", "1G"], capsys)
-    assert code == 2 and len(err) == 1 and "unknown baseline 'deepspeed'" in err[0]
+    code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--baseline", "vllm", "--budget", "1G"], capsys)
+    assert code == 2 and len(err) == 1 and "unknown baseline 'vllm'" in err[0]
     code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "lots"], capsys)
     assert code == 2 and "cannot read size" in err[0]
     code, err = _cli(["bench", str(tmp_path / "x.zmoe"), "--budget", "1G", "--batch", "1,x"], capsys)

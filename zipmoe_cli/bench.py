@@ -59,18 +59,30 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     tc = doc.get("token_check") or {}
     if tc:
         notes.append(tc.get("message", ""))
+    for res in doc.get("results", []):
+        if res.get("budget_broken"):
+            notes.append(f"{res['engine']} @ {format_size(res['budget']) if res.get('budget') else 'none'} broke the budget: {res['budget_broken']}")
     if any(r.get("stopped_by_time_limit") for r in doc.get("summary", [])):
         notes.append("* stopped by --time-limit: fewer tokens than asked (the comparison is per token)")
     for n in notes:
-        con.print(f"  {n}", style="dim" if not n.startswith("tokens DIFFER") else "bold red")
+        con.print(f"  {n}", style="dim" if not n.startswith("tokens DIFFER") else "bold red", markup=False)
     if plot_path is not None:
         bench_report.plot(doc.get("summary", []), str(plot_path))
         con.print(f"  plot: {plot_path}")
 
 
+def _paper(doc: dict, show: bool, json_path: Optional[Path], plot_path: Optional[Path]) -> None:
+    """The paper's tables from the results (runtime/bench/tables.py), when asked for."""
+    if not (show or json_path or plot_path):
+        return
+    from zipmoe.runtime.bench import tables
+
+    tables.emit(doc, show=show, json_path=json_path, plot_path=plot_path)
+
+
 def bench(
     file: Optional[Path] = typer.Argument(None, help="The .zmoe container (not needed with --report)."),
-    baseline: List[str] = typer.Option([], "--baseline", help="Baseline to compare with: accelerate, uncompressed, resident (repeatable)."),
+    baseline: List[str] = typer.Option([], "--baseline", help="Baseline to compare with: accelerate, uncompressed, resident, deepspeed, llama.cpp, moe-infinity (repeatable)."),
     budget: List[str] = typer.Option([], "--budget", help="Memory budget, e.g. 8G (repeatable)."),
     batch: str = typer.Option("1", "--batch", help="Batch sizes, comma separated, e.g. 1,4,16."),
     new_tokens: str = typer.Option("32", "--new-tokens", help="New tokens per run, comma separated, e.g. 32,128."),
@@ -82,7 +94,7 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the summary here (kept when something fails)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of time per output token by budget (needs matplotlib: zipmoe[bench])."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident."),
+    engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident, deepspeed, llama.cpp, moe-infinity."),
     ablations: bool = typer.Option(False, "--ablations", help="Also run zipmoe-basic (basic eviction only) and zipmoe-pools (heterogeneous pools, no plan)."),
     raw_container: Optional[Path] = typer.Option(None, "--raw-container", help="An existing codec-raw .zmoe for 'uncompressed' (else packed from the source once)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),
@@ -100,6 +112,10 @@ def bench(
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
     report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
     compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="A bf16 GGUF of the model for the llama.cpp baseline (else converted from the source once; zipmoe converts Mixtral-family models)."),
+    paper: bool = typer.Option(False, "--paper", help="Also print the paper's tables (TTFT/TPOT, throughput by batch, latency by length, ablation) from the results."),
+    paper_json: Optional[Path] = typer.Option(None, "--paper-json", help="Write the paper's tables as JSON here."),
+    paper_plot: Optional[Path] = typer.Option(None, "--paper-plot", help="PNG of the paper's tables (needs matplotlib)."),
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
     from zipmoe.errors import UsageError
@@ -110,6 +126,7 @@ def bench(
     if report is not None:
         doc = bench_run.finalize(bench_run.load_results(report))
         _print_report(doc, plot, compact)
+        _paper(doc, paper, paper_json, paper_plot)
         return
     if file is None:
         raise UsageError("give the .zmoe container to benchmark (or --report out.json)")
@@ -139,7 +156,7 @@ def bench(
         raise UsageError(f"--min-tokens must be at least 1, got {min_tokens}")
     if threads < 0:
         raise UsageError(f"--threads must not be negative, got {threads}")
-    if plot is not None:
+    if (plot is not None or paper_plot is not None):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -151,12 +168,14 @@ def bench(
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
+        gguf=gguf,
     )
     from rich.console import Console
 
     err = Console(stderr=True)
     doc, errors = bench_run.run_bench(cfg, log=lambda m: err.print(f"[dim]{m}[/dim]"), progress_factory=_Progress)
     _print_report(doc, plot if doc.get("summary") else None, compact)
+    _paper(doc, paper, paper_json, paper_plot)
     if json_out is not None:
         Console().print(f"  results: {json_out}", style="dim")
     exc = bench_run.first_error_exception(errors)

@@ -45,9 +45,14 @@ ENGINES: dict[str, EngineSpec] = {
         EngineSpec("uncompressed", "zipmoe", "raw_container", True, None, "zipmoe runtime on a codec-raw container (no compression)"),
         EngineSpec("accelerate", "hf", "source", True, "bench", "transformers + accelerate disk offload (device_map=auto, max_memory, offload_folder)"),
         EngineSpec("resident", "hf", "source", False, None, "transformers, every weight in memory (no budget)"),
+        EngineSpec("deepspeed", "deepspeed", "source", True, "baselines", "DeepSpeed ZeRO-Inference: ZeRO-3, parameters offloaded to NVMe (async I/O) or CPU memory"),
+        EngineSpec("llama.cpp", "llama.cpp", "gguf", True, "baselines", "llama-cpp-python serving the model as a bf16 GGUF, memory-mapped"),
+        EngineSpec("moe-infinity", "moe-infinity", "source", True, "baselines", "MoE-Infinity (built from source; CUDA only)"),
     )
 }
-BASELINES = ("accelerate", "uncompressed", "resident")
+BASELINES = ("accelerate", "uncompressed", "resident", "deepspeed", "llama.cpp", "moe-infinity")
+# engines whose code lives in their own module (runtime/bench/<module>.py: before_load, load)
+ENGINE_MODULES = {"deepspeed": "deepspeed_engine", "llama.cpp": "llamacpp_engine", "moe-infinity": "moe_infinity_engine"}
 ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe")
 
 # The plan each zipmoe engine passes to zipmoe.load (a dict is accepted like plan.json; the
@@ -73,12 +78,41 @@ def engine(name: str) -> EngineSpec:
 def missing_extra(name: str) -> str | None:
     """A one-line reason when the engine's Python packages are missing, else None."""
     spec = engine(name)
-    if spec.name == "accelerate":
-        import importlib.util
+    import importlib.util
 
+    if spec.name == "accelerate":
         if importlib.util.find_spec("accelerate") is None:
             return "baseline 'accelerate' needs the accelerate package: pip install 'zipmoe[bench]'"
+    if spec.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        from zipmoe.runtime.bench.deepspeed_engine import EXTRA_LINE
+
+        return EXTRA_LINE
+    if spec.name == "llama.cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            from zipmoe.runtime.bench.llamacpp_engine import EXTRA_LINE
+
+            return EXTRA_LINE
+    if spec.name == "moe-infinity":
+        from zipmoe.runtime.bench.moe_infinity_engine import missing
+
+        return missing()
     return None
+
+
+def _engine_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"zipmoe.runtime.bench.{ENGINE_MODULES[name]}")
+
+
+def before_load(spec: dict) -> dict:
+    """In the worker, before its cgroup is tightened to the budget: import what the engine needs
+    (it belongs to the process's own baseline, as torch does) and say how it will run; a
+    ``budget_broken`` key says why the engine cannot keep the budget (it then runs outside it)."""
+    name = spec["engine"]
+    if name not in ENGINE_MODULES:
+        return {}
+    return _engine_module(name).before_load(spec)
 
 
 def _load_fn():
@@ -191,6 +225,12 @@ def load_engine(spec: dict):
                 pass
         return model, rt, info
 
+    if es.kind == "llama.cpp":
+        model, info = _engine_module(name).load(spec, dict(spec.get("before_load") or {}))
+        return model, None, info
+    if es.kind == "moe-infinity":
+        model, info = _engine_module(name).load(spec, dict(spec.get("before_load") or {}))
+        return model, None, info
     import transformers
 
     source = spec["source"]
@@ -205,15 +245,26 @@ def load_engine(spec: dict):
         # keep accelerate's state dict offload off: it would put the whole state dict on disk first
     else:
         kw.update(device_map={"": device})
+    if name == "deepspeed":  # ZeRO-3 places the weights itself (zero.Init): no device_map
+        kw.pop("device_map", None)
     info = {"path": str(source), "kwargs": {k: str(v) for k, v in kw.items()}}
-    try:
-        model = cls.from_pretrained(source, experts_implementation="eager", **kw)
-        info["experts_implementation"] = "eager"
-    except (TypeError, ValueError) as exc:
-        if "experts_implementation" not in str(exc):
-            raise
-        model = cls.from_pretrained(source, **kw)
-        info["experts_implementation"] = "default (this transformers has no experts_implementation)"
+
+    def from_pretrained():
+        try:
+            m = cls.from_pretrained(source, experts_implementation="eager", **kw)
+            info["experts_implementation"] = "eager"
+        except (TypeError, ValueError) as exc:
+            if "experts_implementation" not in str(exc):
+                raise
+            m = cls.from_pretrained(source, **kw)
+            info["experts_implementation"] = "default (this transformers has no experts_implementation)"
+        return m
+
+    if name == "deepspeed":
+        info.update(spec.get("before_load") or {})
+        model, info = _engine_module(name).load(spec, from_pretrained, info)
+        return model, None, info
+    model = from_pretrained()
     model.eval()
     if name == "accelerate":
         dm = getattr(model, "hf_device_map", {}) or {}

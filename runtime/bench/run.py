@@ -69,6 +69,7 @@ class BenchConfig:
     trace_out: Path | None = None
     prompt_tokens: int = 64
     seed: int = 0
+    gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
 
     @property
     def allow_drop_caches(self) -> bool:
@@ -331,7 +332,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     doc["cgroup"]["slack_bytes"] = slack
 
     # what the engines read
-    needs_source = any(engines.engine(e).needs == "source" for e in runnable) or (
+    needs_source = any(engines.engine(e).needs in ("source", "gguf") for e in runnable) or (
         "uncompressed" in runnable and cfg.raw_container is None)
     source = raw = None
     def _drop(which: str, exc: ZipmoeError) -> list[str]:
@@ -344,7 +345,15 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         try:
             source = prepare_source(cfg, work, log)
         except ZipmoeError as exc:
-            runnable = _drop(("source", "raw_container"), exc)
+            runnable = _drop(("source", "raw_container", "gguf"), exc)
+    gguf_file = None
+    if any(engines.engine(e).needs == "gguf" for e in runnable):
+        from zipmoe.runtime.bench import gguf as bench_gguf
+
+        try:
+            gguf_file = bench_gguf.prepare(source, work, cfg.gguf, log)
+        except ZipmoeError as exc:
+            runnable = _drop(("gguf",), exc)
     if "uncompressed" in runnable:
         try:
             raw = prepare_raw_container(cfg, work, source, log)
@@ -384,7 +393,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     doc["prompts"] = {"count": len(prompts), "source": str(cfg.prompts_file) if cfg.prompts_file else "built-in", "ids": origin,
                       "prompt_tokens": [len(x) for x in ids]}
 
-    cold_paths = [p for p in (cfg.container, raw, source, work / "offload") if p is not None]
+    cold_paths = [p for p in (cfg.container, raw, source, work / "offload", gguf_file) if p is not None]
     doc["cold_mode"] = cold.cold_mode_available(cold_paths, cfg.allow_drop_caches) if cfg.cold else "warm"
     if cfg.cold and doc["cold_mode"] == "o_direct":
         log("note: cannot drop the page cache here: only engines that read with O_DIRECT (zipmoe) are cold")
@@ -401,7 +410,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 prog.describe(label)
             spec = {
                 "engine": eng, "device": device, "budget": budget, "container": str(cfg.container),
-                "raw_container": str(raw) if raw else None, "source": str(source) if source else None,
+                "raw_container": str(raw) if raw else None, "source": str(source) if source else None, "gguf": str(gguf_file) if gguf_file else None,
                 "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
                 "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,

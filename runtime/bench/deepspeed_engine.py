@@ -1,0 +1,235 @@
+"""The ``deepspeed`` engine of `zipmoe bench`: DeepSpeed ZeRO-Inference (ZeRO stage 3 with the
+parameters offloaded), the same transformers model, greedy decoding.
+
+One process, no launcher and no MPI: :func:`single_process_env` sets what ``deepspeed.init_distributed``
+reads for a world of one (``RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR``/``MASTER_PORT`` on
+localhost, a free port). On a machine without CUDA DeepSpeed needs its CPU accelerator
+(``DS_ACCELERATOR=cpu``, set here before deepspeed is imported); its gloo process group of one
+then needs no shared-memory all-reduce op, so the JIT build of ``deepspeed_shm_comm`` (a minute
+of g++ on two cores) is skipped.
+
+Where the parameters go (``zero_optimization.offload_param``):
+
+- ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``;
+  JIT-compiled once into ~/.cache/torch_extensions) swaps every parameter to a folder (the
+  engine's offload folder) and reads each module's parameters back into a pool of
+  ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count) and the
+  live parameters are sized from the budget (:func:`ds_config`); no parameter stays resident.
+  Loading is not budgeted: ZeRO-3's ``from_pretrained`` (zero.Init) reads checkpoint shards into
+  host memory while it partitions them into the swap folder, and the demo model at 400M and
+  800M was killed by the memory cgroup while loading. The worker therefore tightens this
+  engine's cgroup to budget + baseline + margin once the model is loaded (``load_note`` in the
+  result; ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET=1`` keeps the budget during loading too).
+- ``cpu`` when the async-I/O op cannot be built here (or ``ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=cpu``;
+  ``=nvme`` insists on NVMe and fails with one line where it cannot be built): every parameter stays in host memory,
+  which **breaks the budget**. The engine still runs, outside the budget (its memory cgroup is
+  lifted to what the machine has, its peak is recorded) and the report marks it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from zipmoe.errors import BudgetError, UsageError
+
+EXTRA_LINE = "baseline 'deepspeed' needs the deepspeed package: pip install 'zipmoe[baselines]'"
+BUDGET_BROKEN = "DeepSpeed kept every parameter in CPU memory (offload_param cpu: {why}), so it ran outside the budget"
+
+
+LOAD_NOTE = ("DeepSpeed's ZeRO-3 from_pretrained holds checkpoint shards in host memory while it partitions them "
+             "into the NVMe offload, so its memory cgroup is tightened to the budget once the model is loaded")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env(device: str) -> dict:
+    """The environment variables DeepSpeed needs for a world of one process (set if unset)."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in env}
+
+
+def import_deepspeed(device: str):
+    """deepspeed, imported with the right accelerator; a missing package is one line naming the extra."""
+    single_process_env(device)
+    try:
+        import deepspeed
+    except ImportError:
+        raise UsageError(EXTRA_LINE) from None
+    except Exception as exc:  # noqa: BLE001  (deepspeed's import probes the machine; say what failed)
+        raise UsageError(f"baseline 'deepspeed' cannot be imported here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    from deepspeed.accelerator import get_accelerator
+
+    want = "cuda" if device == "cuda" else "cpu"
+    got = get_accelerator().device_name()
+    if got != want:
+        raise UsageError(f"baseline 'deepspeed' picked accelerator {got!r} instead of {want!r} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')})")
+    return deepspeed
+
+
+def aio_available() -> tuple[bool, str]:
+    """(True, "") when DeepSpeed's async-I/O op can be built or is installed; else (False, why)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    except Exception as exc:  # noqa: BLE001
+        return False, f"no AsyncIOBuilder ({type(exc).__name__})"
+    if builder is None:
+        return False, "this accelerator has no async_io op"
+    try:
+        ok = builder.is_compatible(verbose=False)
+    except TypeError:
+        ok = builder.is_compatible()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"{type(exc).__name__}: {exc}"
+    if not ok:
+        return False, "its NVMe offload needs the async_io op, which needs libaio (apt install libaio-dev)"
+    return True, ""
+
+
+def before_load(spec: dict) -> dict:
+    """In the worker, before its cgroup is tightened: import deepspeed (its memory is part of the
+    process's own baseline, like torch's) and decide where the parameters go."""
+    deepspeed = import_deepspeed(spec["device"])
+    forced = os.environ.get("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "")
+    if forced not in ("", "nvme", "cpu"):
+        raise UsageError(f"ZIPMOE_BENCH_DEEPSPEED_OFFLOAD={forced!r}: use nvme or cpu (or leave it unset)")
+    ok, why = aio_available() if forced != "cpu" else (False, "asked for with ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=cpu")
+    if forced == "nvme" and not ok:
+        raise UsageError(f"ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=nvme but DeepSpeed's async_io op cannot be built here: {why}")
+    info = {"deepspeed": deepspeed.__version__, "offload_param": "nvme" if ok else "cpu", "ds_env": single_process_env(spec["device"])}
+    if ok and os.environ.get("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "") != "1":
+        info["cgroup_after_load"] = LOAD_NOTE
+    if not ok:
+        info["budget_broken"] = BUDGET_BROKEN.format(why=why)
+    return info
+
+
+# DeepSpeed's default buffer_count. With fewer, ZeRO-3 inference on the demo model either stopped
+# ("Not enough buffers 0 for swapping 1") or, with 2-3 buffers, decoded wrong tokens from the first one.
+MIN_BUFFERS = 5
+
+
+def _param_numels(source) -> tuple[int, int, int]:
+    """(largest parameter, total parameters, count) of the checkpoint, in elements, from its headers
+    (fused expert tensors counted as transformers builds them)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from zipmoe.codecs.naming import classify
+
+    largest = total = count = 0
+    fused: dict[tuple, int] = {}
+    for f in sorted(Path(source).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= int(d)
+                total += n
+                role = classify(name, tuple(shape), None)
+                if role.role == "expert" and not role.fused:  # transformers 5 fuses per-expert tensors per layer
+                    key = (role.layer, "gate_up" if role.proj in ("gate", "up") else role.proj)
+                    fused[key] = fused.get(key, 0) + n
+                    continue
+                count += 1
+                largest = max(largest, n)
+    for n in fused.values():
+        largest = max(largest, n)
+        count += 1
+    return largest, total, count
+
+
+def ds_config(budget: int, offload: str, nvme_path: str | None, source, bytes_per_param: int = 2) -> dict:
+    """The ZeRO-3 inference config for a budget (bytes).
+
+    NVMe: ``buffer_count`` buffers of the largest parameter's size (at least :data:`MIN_BUFFERS`;
+    up to 8 while they fit half the budget), ``max_in_cpu`` 0, no persistent parameters, live
+    parameters the rest. Raises
+    :class:`BudgetError` when :data:`MIN_BUFFERS` buffers of the largest parameter do not fit the budget.
+    """
+    largest, _total, _count = _param_numels(source)
+    largest = max(largest, 1)
+    buf_bytes = largest * bytes_per_param
+    zero: dict = {"stage": 3, "overlap_comm": False, "contiguous_gradients": False, "stage3_prefetch_bucket_size": 0}
+    if offload == "nvme":
+        if MIN_BUFFERS * buf_bytes > budget:
+            from zipmoe.units import format_size
+
+            raise BudgetError(f"engine deepspeed cannot run in budget {format_size(budget)}: its NVMe offload needs {MIN_BUFFERS} swap buffers "
+                              f"of the largest parameter ({format_size(buf_bytes)} each)")
+        count = max(MIN_BUFFERS, min(8, (budget // 2) // buf_bytes))
+        rest = max(budget - count * buf_bytes, 0)
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False, "buffer_count": int(count),
+                                 "buffer_size": int(largest), "max_in_cpu": 0}
+        # no persistent parameters and DeepSpeed's default reuse distance: with norms kept resident
+        # (a persistence threshold) and stage3_max_reuse_distance 0, the demo decoded a wrong third token
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_max_live_parameters"] = int(max(rest // bytes_per_param, largest))
+    else:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_max_live_parameters"] = int(max(budget // bytes_per_param, largest))
+    return {
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False, "overlap_events": True},
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def load(spec: dict, from_pretrained, info: dict):
+    """The transformers model under ZeRO-3 inference; returns (model, info)."""
+    import sys
+
+    import torch
+
+    device = spec["device"]
+    deepspeed = import_deepspeed(device)
+    # a world of one needs no shared-memory all-reduce: skip the op's JIT build
+    dct = sys.modules.get("deepspeed.comm.torch")
+    if dct is not None and hasattr(dct, "build_shm_op"):
+        dct.build_shm_op = lambda: None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    offload = info.get("offload_param") or ("nvme" if aio_available()[0] else "cpu")
+    nvme = None
+    if offload == "nvme":
+        nvme = os.path.join(spec["offload_folder"], "deepspeed-nvme")
+        os.makedirs(nvme, exist_ok=True)
+    dtype = _checkpoint_dtype(spec["source"], torch)
+    config = ds_config(int(spec["budget"]), offload, nvme, spec["source"], bytes_per_param=torch.tensor([], dtype=dtype).element_size())
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif dtype == torch.float16:
+        config["fp16"] = {"enabled": True}
+    hf_ds = HfDeepSpeedConfig(config)  # noqa: F841  (keeps zero.Init on for from_pretrained: the weights go straight to the offload)
+    model = from_pretrained()
+    eng = deepspeed.initialize(model=model, config_params=config)[0]
+    eng.module.eval()
+    info.update(offload_param=offload, ds_config=config, nvme_path=nvme, dtype=str(dtype))
+    model = eng.module
+    model._zipmoe_ds_engine = eng  # keep the engine (and its swapper) alive
+    model._zipmoe_hf_ds = hf_ds
+    return model, info
+
+
+def _checkpoint_dtype(source, torch):
+    import json
+    from pathlib import Path
+
+    cfg = json.loads(Path(source, "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)

@@ -1,0 +1,346 @@
+"""The paper's tables, as `zipmoe bench` measures them: ``zipmoe bench ... --paper`` (or
+``zipmoe bench --report out.json --paper``) prints them, ``--paper-json`` writes them,
+``--paper-plot`` draws them.
+
+Built from one bench document (out.json; several runs merged with ``--merge``):
+
+- ``latency``: decoder-only TTFT and TPOT per engine and budget (batch 1; the case with the
+  most new tokens, so TPOT averages over the most steps);
+- ``throughput``: output tokens per second at each batch size measured (the paper: 1, 4, 16);
+- ``e2e``: end-to-end latency per number of new tokens measured (the paper: 32, 128, 512), batch 1;
+- ``ablation``: zipmoe-basic (basic eviction only), zipmoe-pools (+heterogeneous pools),
+  zipmoe (+planning): TPOT and speed-up over basic, per budget;
+- ``agreement``: how far each engine's greedy tokens agree with zipmoe's (share of equal
+  positions over the common length, first difference). For llama.cpp this is a figure, not a
+  check: same bits in, other kernels.
+
+A cell is a figure or says why there is none: ``cannot run`` (the engine's one-line error is
+in the notes and in the cell's ``why``: a missing package, a budget it cannot keep, a device it
+does not run on), ``not measured``
+when that engine, budget or case was not part of the run. A figure measured while the engine
+broke the budget (DeepSpeed offloading to CPU memory) carries ``†`` and the reason in the notes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from zipmoe.errors import UsageError
+
+SCHEMA = "zipmoe-bench-tables/1"
+ORDER = ("zipmoe", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
+ABLATION = (("zipmoe-basic", "basic"), ("zipmoe-pools", "+pools"), ("zipmoe", "+planning"))
+
+
+def _order(e: str) -> int:
+    return ORDER.index(e) if e in ORDER else len(ORDER)
+
+
+def _med(row: dict | None, metric: str):
+    if not row or not row.get(metric):
+        return None
+    return row[metric]["median"]
+
+
+def _short(msg: str, limit: int = 90) -> str:
+    msg = " ".join(str(msg).split())
+    return msg if len(msg) <= limit else msg[: limit - 1] + "…"
+
+
+def _status(doc: dict) -> dict:
+    """(engine, budget) -> {"error": line} or {"budget_broken": line}; (engine, None) for engine-wide errors."""
+    out: dict = {}
+    for e in doc.get("errors") or []:
+        eng = e.get("engine")
+        if eng and eng != "prepare":
+            out.setdefault((eng, e.get("budget")), {})["error"] = e.get("error")
+    for r in doc.get("results") or []:
+        key = (r.get("engine"), r.get("budget"))
+        if r.get("ok") and key in out:  # a later run (--merge) replaced the failed one
+            out[key].pop("error", None)
+        if not r.get("ok") and r.get("error"):
+            out.setdefault(key, {})["error"] = r["error"]
+        if r.get("budget_broken"):
+            out.setdefault(key, {})["budget_broken"] = r["budget_broken"]
+    return out
+
+
+def _engines_budgets(doc: dict) -> tuple[list[str], list]:
+    engines, budgets = set(), set()
+    for c in doc.get("configs") or []:
+        engines.update(c.get("engines") or [])
+        budgets.update(b for b in c.get("budgets") or [] if b is not None)
+    for r in doc.get("summary") or []:
+        engines.add(r["engine"])
+        if r.get("budget") is not None:
+            budgets.add(r["budget"])
+    return sorted(engines, key=_order), sorted(budgets)
+
+
+def _budget_of(engine: str, budget):
+    return None if engine == "resident" else budget
+
+
+def _cell(doc_status: dict, rows: dict, engine: str, budget, key: tuple, metric: str) -> dict:
+    """{"value": float|None, "text": str, "flag": "†"|""} for one table cell."""
+    b = _budget_of(engine, budget)
+    st = doc_status.get((engine, b)) or doc_status.get((engine, None)) or {}
+    row = rows.get((engine, b) + key)
+    v = _med(row, metric)
+    flag = "†" if st.get("budget_broken") else ""
+    if v is not None:
+        return {"value": v, "text": "", "flag": flag, "generated": row.get("generated"), "stopped_by_time_limit": row.get("stopped_by_time_limit")}
+    if st.get("error"):
+        return {"value": None, "text": "cannot run", "why": st["error"], "flag": flag}
+    return {"value": None, "text": "not measured", "flag": flag}
+
+
+def _index(summary: list[dict]) -> dict:
+    return {(r["engine"], r.get("budget"), r["batch"], r["new_tokens"]): r for r in summary}
+
+
+def token_agreement(runs: list[dict], reference: str = "zipmoe") -> list[dict]:
+    """Per engine and budget: share of positions where its greedy tokens equal the reference's
+    (same case, row and run index; over the common length), and the first difference."""
+    by = defaultdict(dict)
+    for r in runs:
+        if r.get("tokens") is None:
+            continue
+        by[(r["batch"], r["new_tokens"], r.get("case"))].setdefault((r["engine"], r.get("budget")), r["tokens"])
+    ref_engine = reference if any(k[0] == reference for v in by.values() for k in v) else "resident"
+    acc: dict = defaultdict(lambda: {"equal": 0, "compared": 0, "first_difference": None, "rows": 0})
+    for case, per in by.items():
+        refs = {b: t for (e, b), t in per.items() if e == ref_engine}
+        if not refs:
+            continue
+        for (eng, budget), toks in per.items():
+            if eng == ref_engine:
+                continue
+            ref = refs.get(budget) or next(iter(refs.values()))
+            a = acc[(eng, budget)]
+            for x, y in zip(ref, toks):
+                n = min(len(x), len(y))
+                eq = sum(1 for i in range(n) if x[i] == y[i])
+                a["equal"] += eq
+                a["compared"] += n
+                a["rows"] += 1
+                diff = next((i for i in range(n) if x[i] != y[i]), None)
+                if diff is not None and (a["first_difference"] is None or diff < a["first_difference"]):
+                    a["first_difference"] = diff
+    out = []
+    for (eng, budget), a in sorted(acc.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1] or 0)):
+        out.append({"engine": eng, "budget": budget, "reference": ref_engine, "agreement": a["equal"] / a["compared"] if a["compared"] else None,
+                    "positions": a["compared"], "rows": a["rows"], "first_difference_at": a["first_difference"]})
+    return out
+
+
+def build(doc: dict) -> dict:
+    """Every table as JSON-able data."""
+    summary = doc.get("summary") or []
+    rows = _index(summary)
+    status = _status(doc)
+    engines, budgets = _engines_budgets(doc)
+    if not budgets:
+        budgets = [None]
+    cases = sorted({(r["batch"], r["new_tokens"]) for r in summary})
+    tables: dict = {}
+
+    # TTFT / TPOT, batch 1 (the longest generation)
+    b1 = [n for b, n in cases if b == 1]
+    nt = max(b1) if b1 else (max(n for _, n in cases) if cases else None)
+    bt = 1 if b1 else (min(b for b, _ in cases) if cases else None)
+    lat = []
+    for e in engines:
+        for bud in ([None] if e == "resident" else budgets):
+            lat.append({"engine": e, "budget": bud,
+                        "ttft_s": _cell(status, rows, e, bud, (bt, nt), "ttft_s"), "tpot_s": _cell(status, rows, e, bud, (bt, nt), "tpot_s")})
+    tables["latency"] = {"title": f"TTFT and TPOT (batch {bt}, {nt} new tokens)", "batch": bt, "new_tokens": nt, "rows": lat}
+
+    # throughput by batch
+    batches = sorted({b for b, _ in cases})
+    thr = []
+    for e in engines:
+        for bud in ([None] if e == "resident" else budgets):
+            cells = {}
+            for b in batches:
+                ns = [n for bb, n in cases if bb == b]
+                cells[str(b)] = _cell(status, rows, e, bud, (b, max(ns)), "tokens_per_s")
+            thr.append({"engine": e, "budget": bud, "by_batch": cells})
+    tables["throughput"] = {"title": "throughput (output tokens/s) by batch size", "batches": batches, "rows": thr}
+
+    # end-to-end latency by new tokens, batch 1 (or the smallest batch)
+    lens = sorted({n for b, n in cases if b == bt}) if bt is not None else []
+    e2e = []
+    for e in engines:
+        for bud in ([None] if e == "resident" else budgets):
+            e2e.append({"engine": e, "budget": bud, "by_new_tokens": {str(n): _cell(status, rows, e, bud, (bt, n), "e2e_s") for n in lens}})
+    tables["e2e"] = {"title": f"end-to-end latency by new tokens (batch {bt})", "batch": bt, "new_tokens": lens, "rows": e2e}
+
+    # ablation
+    abl = []
+    for bud in budgets:
+        base = _med(rows.get(("zipmoe-basic", bud, bt, nt)), "tpot_s")
+        for eng, label in ABLATION:
+            c = _cell(status, rows, eng, bud, (bt, nt), "tpot_s")
+            speed = (base / c["value"]) if (base and c["value"]) else None
+            abl.append({"variant": label, "engine": eng, "budget": bud, "tpot_s": c, "speedup_over_basic": speed})
+    tables["ablation"] = {"title": f"ablation: basic / +pools / +planning (TPOT, batch {bt}, {nt} new tokens)", "rows": abl}
+
+    runs = [r for d in doc.get("results") or [] for r in d.get("runs") or []]
+    tables["agreement"] = {"title": "greedy tokens agreeing with zipmoe's (a figure: other kernels may round differently)",
+                           "rows": token_agreement(runs)}
+    notes = sorted({f"† {e} @ {_fmt_budget(b)}: {st['budget_broken']}" for (e, b), st in status.items() if st.get("budget_broken")})
+    notes += sorted({f"{e}" + (f" @ {_fmt_budget(b)}" if b is not None else "") + f" cannot run: {st['error']}"
+                     for (e, b), st in status.items() if st.get("error")})
+    return {"schema": SCHEMA, "container": doc.get("container"), "model": doc.get("model"), "device": doc.get("device"),
+            "machine": doc.get("machine"), "tables": tables, "notes": notes}
+
+
+# ----------------------------------------------------------------------------- presentation
+
+
+def _fmt_budget(b) -> str:
+    if b is None:
+        return "none"
+    from zipmoe.units import format_size
+
+    return format_size(b).replace(".00 ", " ").replace("iB", "")
+
+
+def _fmt_s(v) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.2f} s" if v >= 1 else f"{v * 1000:.1f} ms"
+
+
+def _text(c: dict, fmt) -> str:
+    if c["value"] is None:
+        return c["text"] + c.get("flag", "")
+    s = fmt(c["value"]) + c.get("flag", "")
+    if c.get("stopped_by_time_limit"):
+        s += "*"
+    return s
+
+
+def render(tables: dict, console) -> None:
+    from rich.table import Table
+
+    T = tables["tables"]
+    lat = T["latency"]
+    t = Table(title=lat["title"], pad_edge=False)
+    for col in ("engine", "budget", "TTFT", "TPOT"):
+        t.add_column(col, justify="left" if col == "engine" else "right", overflow="fold")
+    for r in lat["rows"]:
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), _text(r["ttft_s"], _fmt_s), _text(r["tpot_s"], _fmt_s))
+    console.print(t)
+
+    thr = T["throughput"]
+    t = Table(title=thr["title"], pad_edge=False)
+    t.add_column("engine")
+    t.add_column("budget", justify="right")
+    for b in thr["batches"]:
+        t.add_column(f"batch {b}", justify="right", overflow="fold")
+    for r in thr["rows"]:
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), *[_text(r["by_batch"][str(b)], lambda v: f"{v:.2f}") for b in thr["batches"]])
+    console.print(t)
+
+    e2e = T["e2e"]
+    t = Table(title=e2e["title"], pad_edge=False)
+    t.add_column("engine")
+    t.add_column("budget", justify="right")
+    for n in e2e["new_tokens"]:
+        t.add_column(f"{n} tokens", justify="right", overflow="fold")
+    for r in e2e["rows"]:
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), *[_text(r["by_new_tokens"][str(n)], _fmt_s) for n in e2e["new_tokens"]])
+    console.print(t)
+
+    abl = T["ablation"]
+    t = Table(title=abl["title"], pad_edge=False)
+    for col in ("budget", "variant", "TPOT", "speed-up over basic"):
+        t.add_column(col, justify="right" if col != "variant" else "left", overflow="fold")
+    for r in abl["rows"]:
+        t.add_row(_fmt_budget(r["budget"]), r["variant"], _text(r["tpot_s"], _fmt_s), "–" if r["speedup_over_basic"] is None else f"{r['speedup_over_basic']:.2f}x")
+    console.print(t)
+
+    agr = T["agreement"]
+    t = Table(title=agr["title"], pad_edge=False)
+    for col in ("engine", "budget", "agreement", "positions", "first difference at"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in agr["rows"]:
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), "–" if r["agreement"] is None else f"{100 * r['agreement']:.1f}%", str(r["positions"]),
+                  "none" if r["first_difference_at"] is None else f"token {r['first_difference_at']}")
+    console.print(t)
+    for n in tables.get("notes") or []:
+        console.print(f"  {n}", style="dim", markup=False)
+    if any(c.get("stopped_by_time_limit") for r in T["latency"]["rows"] for c in (r["ttft_s"], r["tpot_s"])):
+        console.print("  * stopped by --time-limit before all new tokens were made (figures are per token)", style="dim", markup=False)
+
+
+def plot(tables: dict, path) -> str:
+    """Four panels: TPOT by engine and budget, throughput by batch, e2e by length, ablation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--paper-plot needs matplotlib: pip install 'zipmoe[bench]'") from None
+    T = tables["tables"]
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    ax = axes[0]
+    rows = [r for r in T["latency"]["rows"]]
+    labels = [f"{r['engine']}\n{_fmt_budget(r['budget'])}" for r in rows]
+    vals = [r["tpot_s"]["value"] or 0 for r in rows]
+    bars = ax.bar(range(len(rows)), vals, color=["C0" if r["tpot_s"]["value"] else "lightgrey" for r in rows])
+    for i, r in enumerate(rows):
+        if r["tpot_s"]["value"] is None:
+            ax.text(i, 0.02, r["tpot_s"]["text"], rotation=90, ha="center", va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
+        elif r["tpot_s"].get("flag"):
+            bars[i].set_hatch("//")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60)
+    ax.set_yscale("log")
+    ax.set_ylabel("TPOT (s)")
+    ax.set_title(T["latency"]["title"], fontsize=9)
+    for ax, key, sub, xl, yl in ((axes[1], "throughput", "by_batch", "batch", "tokens/s"), (axes[2], "e2e", "by_new_tokens", "new tokens", "end-to-end (s)")):
+        xs = T[key]["batches"] if key == "throughput" else T[key]["new_tokens"]
+        for r in T[key]["rows"]:
+            pts = [(x, r[sub][str(x)]["value"]) for x in xs if r[sub][str(x)]["value"] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{r['engine']} {_fmt_budget(r['budget'])}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.set_title(T[key]["title"], fontsize=9)
+        ax.legend(fontsize=6)
+    ax = axes[3]
+    ab = T["ablation"]["rows"]
+    ax.bar(range(len(ab)), [r["tpot_s"]["value"] or 0 for r in ab], color=["C1", "C2", "C3"] * (len(ab) // 3 + 1))
+    ax.set_xticks(range(len(ab)), [f"{r['variant']}\n{_fmt_budget(r['budget'])}" for r in ab], fontsize=7)
+    ax.set_ylabel("TPOT (s)")
+    ax.set_title(T["ablation"]["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def emit(doc: dict, show: bool = True, json_path=None, plot_path=None, console=None) -> dict:
+    tables = build(doc)
+    if show:
+        if console is None:
+            import sys
+
+            from rich.console import Console
+
+            console = Console(width=None if sys.stdout.isatty() else 200)
+        render(tables, console)
+    if json_path is not None:
+        p = Path(json_path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(tables, indent=1))
+    if plot_path is not None:
+        plot(tables, plot_path)
+    return tables

@@ -1,0 +1,301 @@
+"""The bench's baselines without running their engines: missing packages name the extra, the
+bf16 GGUF conversion is lossless (and fails with one line), DeepSpeed's config follows the
+budget, the paper's tables say why a cell is empty, llama.cpp's tokens are a figure."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from zipmoe.errors import BudgetError, UsageError
+from zipmoe.runtime.bench import deepspeed_engine, engines, gguf as bench_gguf, moe_infinity_engine, report, tables
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from zipmoe.runtime import synth
+
+    root = tmp_path_factory.mktemp("baselines")
+    synth.write("mixtral", root / "mx", preset="tiny", seed=0, force=True, progress=False)
+    synth.write("mixtral", root / "mxf", preset="tiny", seed=0, layout="fused", force=True, progress=False)
+    return root
+
+
+# ----------------------------------------------------------------------------- missing packages
+
+
+@pytest.mark.parametrize("name,module", [("deepspeed", "deepspeed"), ("llama.cpp", "llama_cpp")])
+def test_missing_baseline_names_the_extra(monkeypatch, name, module):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == module else real(n, *a))
+    why = engines.missing_extra(name)
+    assert why and "zipmoe[baselines]" in why and name in why and "\n" not in why
+
+
+def test_moe_infinity_placeholder_and_absent(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "moe_infinity" else real(n, *a))
+    assert engines.missing_extra("moe-infinity") == moe_infinity_engine.EXTRA_LINE
+    monkeypatch.undo()
+    # the PyPI placeholder: an empty moe_infinity package
+    (tmp_path / "moe_infinity").mkdir()
+    (tmp_path / "moe_infinity" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "moe_infinity", raising=False)
+    why = engines.missing_extra("moe-infinity")
+    assert "placeholder" in why and "source" in why
+    with pytest.raises(UsageError, match="placeholder"):
+        moe_infinity_engine.before_load({"device": "cpu"})
+
+
+def test_baselines_are_selectable_and_in_the_extra():
+    for name in ("deepspeed", "llama.cpp", "moe-infinity"):
+        assert name in engines.BASELINES and engines.engine(name).budgeted
+    import tomllib
+    from pathlib import Path
+
+    extra = tomllib.loads(Path(__file__).parents[1].joinpath("pyproject.toml").read_text())["project"]["optional-dependencies"]["baselines"]
+    assert any(x.startswith("deepspeed") for x in extra) and any(x.startswith("llama-cpp-python") for x in extra)
+    assert not any(x.startswith("moe-infinity") for x in extra)  # its PyPI package is an empty placeholder
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _gguf_tensors(path):
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return r, {t.name: t for t in r.tensors}
+
+
+def test_gguf_conversion_is_bit_exact(mixtral, tmp_path):
+    from safetensors.torch import load_file
+
+    src = mixtral / "mx"
+    out = bench_gguf.convert(src, tmp_path / "m.gguf")
+    cfg = json.loads((src / "config.json").read_text())
+    sd = load_file(str(src / "model.safetensors"))
+    r, t = _gguf_tensors(out)
+    arch = r.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
+
+    def bf16(name):
+        x = t[name]
+        assert x.tensor_type.name == "BF16"
+        return torch.from_numpy(np.ascontiguousarray(x.data).view(np.int16).copy()).view(torch.bfloat16)
+
+    E, L = cfg["num_local_experts"], cfg["num_hidden_layers"]
+    assert torch.equal(bf16("token_embd.weight").reshape(sd["model.embed_tokens.weight"].shape), sd["model.embed_tokens.weight"])
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        gate = torch.stack([sd[p + f"block_sparse_moe.experts.{e}.w1.weight"] for e in range(E)])
+        down = torch.stack([sd[p + f"block_sparse_moe.experts.{e}.w2.weight"] for e in range(E)])
+        assert torch.equal(bf16(f"blk.{layer}.ffn_gate_exps.weight").reshape(gate.shape), gate)
+        assert torch.equal(bf16(f"blk.{layer}.ffn_down_exps.weight").reshape(down.shape), down)
+        q = sd[p + "self_attn.q_proj.weight"]
+        gq = bf16(f"blk.{layer}.attn_q.weight").reshape(q.shape)
+        assert torch.equal(gq, bench_gguf.permute_rows(q, cfg["num_attention_heads"]))  # llama.cpp's rotary layout
+        assert torch.equal(gq.view(torch.int16).sort(0).values, q.view(torch.int16).sort(0).values)  # same rows, reordered
+        norm = np.asarray(t[f"blk.{layer}.attn_norm.weight"].data)
+        assert t[f"blk.{layer}.attn_norm.weight"].tensor_type.name == "F32"
+        assert torch.equal(torch.from_numpy(norm.copy()).to(torch.bfloat16), sd[p + "input_layernorm.weight"])
+    tokens = r.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == cfg["vocab_size"]
+    # the fused checkpoint of the same weights gives the same tensors
+    out2 = bench_gguf.convert(mixtral / "mxf", tmp_path / "f.gguf")
+    _, t2 = _gguf_tensors(out2)
+    assert set(t2) == set(t)
+    for name in t:
+        assert np.array_equal(np.asarray(t[name].data), np.asarray(t2[name].data)), name
+
+
+def test_gguf_prepare_reuses_and_checks_given_file(mixtral, tmp_path):
+    logs = []
+    a = bench_gguf.prepare(mixtral / "mx", tmp_path, None, logs.append)
+    mtime = a.stat().st_mtime_ns
+    b = bench_gguf.prepare(mixtral / "mx", tmp_path, None, logs.append)
+    assert a == b and b.stat().st_mtime_ns == mtime and len(logs) == 1  # converted once
+    assert bench_gguf.prepare(mixtral / "mx", tmp_path, a) == a
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(bench_gguf.GGUFError, match="not a GGUF file"):
+        bench_gguf.prepare(mixtral / "mx", tmp_path, tmp_path / "x.gguf")
+    with pytest.raises(bench_gguf.GGUFError, match="no such file"):
+        bench_gguf.prepare(mixtral / "mx", tmp_path, tmp_path / "missing.gguf")
+
+
+def test_gguf_conversion_failures_are_one_line(mixtral, tmp_path):
+    import shutil
+
+    from zipmoe.runtime import synth
+
+    synth.write("qwen2_moe", tmp_path / "qw", preset="tiny", seed=0, force=True, progress=False)
+    with pytest.raises(bench_gguf.GGUFError, match="convert_hf_to_gguf.py") as e:
+        bench_gguf.convert(tmp_path / "qw", tmp_path / "q.gguf")
+    assert "\n" not in str(e.value) and "--gguf" in str(e.value)
+    bad = tmp_path / "notok"
+    shutil.copytree(mixtral / "mx", bad)
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(bench_gguf.GGUFError, match="no tokenizer.json"):
+        bench_gguf.convert(bad, tmp_path / "n.gguf")
+    (bad / "tokenizer.json").write_text("{broken")
+    with pytest.raises(bench_gguf.GGUFError, match="cannot read"):
+        bench_gguf.convert(bad, tmp_path / "n.gguf")
+    # nothing half-written is left behind
+    assert not [p for p in tmp_path.iterdir() if p.suffix in (".gguf", ".tmp")]
+
+
+def test_bench_conversion_failure_keeps_other_engines(mixtral, tmp_path, monkeypatch, capsys):
+    """llama.cpp on a family zipmoe does not convert: one line, the zipmoe engine's results kept."""
+    from zipmoe.codecs.writer import pack
+    from zipmoe.runtime import synth
+    from zipmoe.runtime.bench import run as bench_run
+    from zipmoe_cli.app import main
+
+    synth.write("qwen2_moe", tmp_path / "qw", preset="tiny", seed=0, force=True, progress=False)
+    pack(tmp_path / "qw", tmp_path / "qw.zmoe")
+    monkeypatch.setattr(engines, "missing_extra", lambda name: None)  # as if llama-cpp-python were installed
+    ran = []
+
+    def fake_worker(spec, support, limit, log_path, on_progress):
+        ran.append(spec["engine"])
+        run = {"engine": spec["engine"], "budget": spec["budget"], "batch": 1, "new_tokens": 2, "generated": 2, "case": "b1-n2",
+               "ttft_s": 0.1, "tpot_s": 0.05, "e2e_s": 0.15, "tokens_per_s": 13.3, "tokens": [[1, 2]]}
+        return {"engine": spec["engine"], "budget": spec["budget"], "ok": True, "runs": [run]}
+
+    monkeypatch.setattr(bench_run, "run_worker", fake_worker)
+    out = tmp_path / "o.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", str(tmp_path / "qw.zmoe"), "--baseline", "llama.cpp", "--budget", "2M", "--runs", "1", "--new-tokens", "2",
+              "--device", "cpu", "--source", str(tmp_path / "qw"), "--json", str(out), "--disk-bw", "1G", "--work-dir", str(tmp_path / "w")])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("zipmoe: error")]
+    assert exc.value.code == 1 and len(err) == 1 and "GGUF conversion" in err[0] and "Traceback" not in err[0]
+    assert ran == ["zipmoe"]
+    doc = json.loads(out.read_text())
+    assert [d["engine"] for d in doc["results"] if d["ok"]] == ["zipmoe"]
+
+
+# ----------------------------------------------------------------------------- DeepSpeed config
+
+
+def test_deepspeed_config_follows_the_budget(mixtral):
+    src = mixtral / "mx"
+    largest, total, _ = deepspeed_engine._param_numels(src)
+    assert largest == 8 * 2 * 128 * 64  # one layer's gate and up experts, fused by transformers into one parameter
+    budget = 4 << 20
+    cfg = deepspeed_engine.ds_config(budget, "nvme", "/x", src)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_param"]["device"] == "nvme" and z["offload_param"]["max_in_cpu"] == 0
+    buf = z["offload_param"]["buffer_size"] * 2 * z["offload_param"]["buffer_count"]
+    assert z["offload_param"]["buffer_count"] == 8 and buf <= budget // 2 + z["offload_param"]["buffer_size"] * 2
+    small = deepspeed_engine.ds_config(5 * 2 * largest, "nvme", "/x", src)["zero_optimization"]
+    assert small["offload_param"]["buffer_count"] == deepspeed_engine.MIN_BUFFERS == 5
+    with pytest.raises(BudgetError, match="needs 5 swap buffers"):
+        deepspeed_engine.ds_config(5 * 2 * largest - 1, "nvme", "/x", src)
+    cpu = deepspeed_engine.ds_config(budget, "cpu", None, src)["zero_optimization"]
+    assert cpu["offload_param"] == {"device": "cpu", "pin_memory": False}
+
+
+def test_deepspeed_single_process_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "DS_ACCELERATOR", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    env = deepspeed_engine.single_process_env("cpu")
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["DS_ACCELERATOR"] == "cpu" and int(env["MASTER_PORT"]) > 0
+
+
+def test_deepspeed_offload_override_is_checked(monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:
+        with pytest.raises(UsageError, match=r"zipmoe\[baselines\]"):
+            deepspeed_engine.before_load({"device": "cpu"})
+        return
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "disk")
+    with pytest.raises(UsageError, match="use nvme or cpu"):
+        deepspeed_engine.before_load({"device": "cpu"})
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "cpu")
+    info = deepspeed_engine.before_load({"device": "cpu"})
+    assert info["offload_param"] == "cpu" and "outside the budget" in info["budget_broken"]
+
+
+# ----------------------------------------------------------------------------- tables and tokens
+
+
+def _run(engine, budget, tpot, batch=1, n=4, tokens=None, e2e=None):
+    return {"engine": engine, "budget": budget, "batch": batch, "new_tokens": n, "generated": n, "case": f"b{batch}-n{n}",
+            "tpot_s": tpot, "ttft_s": 2 * tpot, "e2e_s": e2e or tpot * (n + 1), "tokens_per_s": batch * n / (e2e or tpot * (n + 1)),
+            "tokens": tokens or [[1, 2, 3, 4][:n]] * batch}
+
+
+def _doc():
+    M = 400 << 20
+    runs = [_run("zipmoe", M, 0.1), _run("zipmoe-basic", M, 0.4), _run("zipmoe-pools", M, 0.2),
+            _run("zipmoe", M, 0.1, batch=4), _run("zipmoe", M, 0.1, n=8, tokens=[[1, 2, 3, 4, 5, 6, 7, 8]]),
+            _run("deepspeed", M, 0.8), _run("llama.cpp", M, 0.05, tokens=[[1, 2, 9, 9]]), _run("resident", None, 0.02)]
+    results = [{"engine": e, "budget": b, "ok": True, "runs": [r for r in runs if r["engine"] == e]}
+               for e, b in (("zipmoe", M), ("zipmoe-basic", M), ("zipmoe-pools", M), ("llama.cpp", M), ("resident", None))]
+    results.append({"engine": "deepspeed", "budget": M, "ok": True, "runs": [runs[5]], "budget_broken": "kept every parameter in CPU memory"})
+    results.append({"engine": "accelerate", "budget": M, "ok": False, "runs": [], "error": "engine accelerate cannot run in budget 400 MiB: killed"})
+    doc = {"results": results, "errors": [{"engine": "moe-infinity", "error": moe_infinity_engine.EXTRA_LINE}],
+           "configs": [{"engines": ["zipmoe", "zipmoe-basic", "zipmoe-pools", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident"], "budgets": [M]}]}
+    doc["summary"] = report.summarize(runs, None)
+    return doc, M
+
+
+def test_paper_tables_cells_say_why(tmp_path):
+    doc, M = _doc()
+    t = tables.build(doc)["tables"]
+    lat = {(r["engine"], r["budget"]): r for r in t["latency"]["rows"]}
+    assert t["latency"]["batch"] == 1 and t["latency"]["new_tokens"] == 8
+    assert lat[("zipmoe", M)]["tpot_s"]["value"] == pytest.approx(0.1)
+    assert lat[("resident", None)]["tpot_s"]["text"] == "not measured"  # resident made 4 tokens, the table's case is 8
+    assert lat[("accelerate", M)]["tpot_s"]["text"] == "cannot run" and "killed" in lat[("accelerate", M)]["tpot_s"]["why"]
+    assert lat[("moe-infinity", M)]["tpot_s"]["text"] == "cannot run" and "source" in lat[("moe-infinity", M)]["tpot_s"]["why"]
+    thr = {(r["engine"], r["budget"]): r for r in t["throughput"]["rows"]}
+    assert t["throughput"]["batches"] == [1, 4]
+    assert thr[("zipmoe", M)]["by_batch"]["4"]["value"] is not None and thr[("deepspeed", M)]["by_batch"]["4"]["text"] == "not measured"
+    assert thr[("deepspeed", M)]["by_batch"]["1"]["flag"] == "†"
+    assert t["e2e"]["new_tokens"] == [4, 8]
+    abl = {r["variant"]: r for r in t["ablation"]["rows"]}
+    assert t["ablation"]["rows"][0]["variant"] == "basic"
+    assert abl["+planning"]["tpot_s"]["value"] == pytest.approx(0.1) and abl["+pools"]["tpot_s"]["text"] == "not measured"
+    agr = {r["engine"]: r for r in t["agreement"]["rows"]}
+    assert agr["llama.cpp"]["agreement"] == pytest.approx(0.5) and agr["llama.cpp"]["first_difference_at"] == 2
+    assert agr["deepspeed"]["agreement"] == 1.0
+    full = tables.build(doc)
+    assert any(n.startswith("† deepspeed") for n in full["notes"]) and any("moe-infinity cannot run" in n for n in full["notes"])
+    from rich.console import Console
+
+    con = Console(record=True, width=400)
+    tables.emit(doc, show=True, json_path=tmp_path / "t.json", console=con)
+    text = con.export_text()
+    assert "cannot run" in text and "so zipmoe[baselines] cannot install it" in text  # the engine's line, verbatim (no markup eaten)
+    assert json.loads((tmp_path / "t.json").read_text())["schema"] == tables.SCHEMA
+
+
+def test_paper_ablation_speedup():
+    doc, M = _doc()
+    doc["summary"] = report.summarize([_run("zipmoe", M, 0.1, n=8), _run("zipmoe-basic", M, 0.4, n=8), _run("zipmoe-pools", M, 0.2, n=8)], None)
+    abl = {r["variant"]: r for r in tables.build(doc)["tables"]["ablation"]["rows"]}
+    assert abl["basic"]["speedup_over_basic"] == pytest.approx(1.0)
+    assert abl["+pools"]["speedup_over_basic"] == pytest.approx(2.0)
+    assert abl["+planning"]["speedup_over_basic"] == pytest.approx(4.0)
+
+
+def test_llamacpp_tokens_are_a_figure_not_a_check():
+    runs = [_run("zipmoe", 1, 0.1), _run("llama.cpp", 1, 0.1, tokens=[[1, 2, 9, 9]])]
+    tc = report.token_check(runs)
+    assert tc["compared"] == 0 and not tc["mismatches"]
+    runs.append(_run("deepspeed", 1, 0.1, tokens=[[1, 9, 9, 9]]))
+    assert not report.token_check(runs)["same"]  # deepspeed computes with transformers: checked
+
+
+def test_paper_tables_a_merged_rerun_replaces_the_failure():
+    doc, M = _doc()
+    doc["errors"].append({"engine": "deepspeed", "budget": M, "error": "engine deepspeed cannot run in budget 400 MiB: killed"})
+    t = tables.build(doc)
+    cell = next(r for r in t["tables"]["e2e"]["rows"] if r["engine"] == "deepspeed")["by_new_tokens"]["4"]
+    assert cell["value"] is not None and not any("deepspeed @" in n and "cannot run" in n for n in t["notes"])
