@@ -47,7 +47,7 @@ def test_cache_admits_more_frequent_only_and_keeps_one_state():
 
 
 def test_cache_cascade_moves_a_compressed_victim_down_with_what_it_keeps():
-    from zipmoe.runtime.serve.scheduler import demote
+    from zipmoe.runtime.serve.device_side import demote
 
     def parts(n, v):
         return [np.full(n, v, np.uint8)]

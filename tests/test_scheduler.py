@@ -19,7 +19,8 @@ import torch
 from zipmoe.runtime.plan import simulate as sm
 from zipmoe.runtime.serve.cache import ExpertCache
 from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.scheduler import LayerScheduler, expert_type, issue_order
+from zipmoe.runtime.serve.fetch import expert_type, issue_order
+from zipmoe.runtime.serve.scheduler import LayerScheduler
 from zipmoe.runtime.serve.reads import ExpertStore, ReadBuffers
 from zipmoe.runtime.serve.tensors import ExpertTensor, Segment
 

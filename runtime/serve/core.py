@@ -42,7 +42,8 @@ from zipmoe.units import format_size
 
 from zipmoe.runtime.serve.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
 from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.scheduler import LayerScheduler, demote
+from zipmoe.runtime.serve.device_side import demote
+from zipmoe.runtime.serve.scheduler import LayerScheduler
 from zipmoe.runtime.serve.reads import DEFAULT_READERS, ExpertStore
 from zipmoe.runtime.serve.trace import TraceWriter
 

@@ -1,0 +1,126 @@
+"""The records of a layer's fetches: one expert tensor being made whole (:class:`_Fetch`), one
+expert's fetches (:class:`_Group`), the latch of a split job, and which tensors need work in
+which order (:func:`expert_type`, :func:`issue_order`). Used by :mod:`.scheduler` and its jobs."""
+
+from __future__ import annotations
+
+import threading
+
+from zipmoe.runtime.serve.order import Task, order as priority_order
+from zipmoe.runtime.serve.tensors import ExpertTensor
+
+__all__ = ["issue_order", "expert_type", "PREFETCH_RANK"]
+
+def _reads_of(state) -> tuple[bool, bool]:
+    """(read E?, read SM?) for a tensor fetched from this cache state."""
+    return state in (None, "none", "sm_only"), state in (None, "none", "e_only")
+
+
+def expert_type(states: list) -> str:
+    """``full`` when every tensor is whole, ``I`` when one must read its SM chunk, else ``II``."""
+    if all(s == "full" for s in states):
+        return "full"
+    if any(_reads_of(s)[1] for s in states):
+        return "I"
+    return "II"
+
+
+def issue_order(experts: list, states: dict, tensors: dict) -> tuple[list, dict]:
+    """Experts that need work, in the order they enter the window, and each tensor's rank.
+
+    Ranks come from :func:`schedule_model.order` over the layer's tensor tasks; an expert's
+    place is its best-ranked tensor's. Returns ``(experts, {uid: rank})``.
+    """
+    tasks, uids = [], []
+    for e in experts:
+        for t, st in zip(tensors[e], states[e]):
+            tasks.append(Task(st or "none", t.full_bytes, t.e_bytes, t.sm_bytes, expert=e))
+            uids.append(t.uid)
+    rank = {}
+    for r, i in enumerate(priority_order(tasks)):
+        rank[uids[i]] = r
+    need = [e for e in experts if expert_type(states[e]) != "full"]
+    need.sort(key=lambda e: min(rank[t.uid] for t in tensors[e]))
+    return need, rank
+
+
+class _Fetch:
+    """One expert tensor being made whole."""
+
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs",
+                 "ranges", "done", "reported", "_lock", "plog", "group", "cancelled")
+
+    def __init__(self, tensor: ExpertTensor, state):
+        self.tensor = tensor
+        self.state = state
+        self.done = None  # done(f, exc): tells the layer this fetch finished (set when submitted)
+        self.reported = False
+        self._lock = threading.Lock()
+        self.plog = None  # (range index, bytes, seconds, direct?) of each piece read
+        self.group = None  # the _Group (one expert's fetches) it belongs to
+        self.cancelled = False  # a dropped prefetch: jobs not started yet skip their work
+        self.out = None
+        self.e_parts = None
+        self.sm_parts = None
+        self.host = None
+        self.exp_host = None
+        self.sm_host = None
+        self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
+        self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
+        self.ranges: list = []  # the file ranges it reads (coalesced), one buffer each
+        self.bufs: list = []  # the aligned read buffers (store.buffers) behind e_parts / sm_parts
+
+
+    def report(self, exc) -> None:
+        """Tell the layer once that this fetch finished (``exc``: its error or None); a second
+        report (a job that failed after its fetch was reported) is ignored."""
+        with self._lock:
+            if self.reported:
+                return
+            self.reported = True
+        self.done(self, exc)
+
+
+class _Cancelled(Exception):
+    """A dropped prefetch's job that had not started yet (not an error)."""
+
+
+class _Group:
+    """The fetches of one expert: one window slot, its working bytes, done when all report."""
+
+    __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
+                 "dropped", "released")
+
+    def __init__(self, layer, expert, prefetch: bool) -> None:
+        self.layer = layer
+        self.expert = expert
+        self.prefetch = prefetch  # issued on a prediction and not (yet) needed
+        self.fetches: list = []  # per tensor: a _Fetch, or None when whole in the cache
+        self.states: list = []
+        self.remaining = 0  # fetches submitted and not yet reported
+        self.reserved = 0
+        self.errors: list = []
+        self.dropped = False
+        self.released = False
+
+
+PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues
+
+
+class _Latch:
+    """Counts down the jobs of one split tensor; the last one learns the first error."""
+
+    __slots__ = ("n", "exc", "lock")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.exc = None
+        self.lock = threading.Lock()
+
+    def count_down(self, exc) -> tuple[bool, BaseException | None]:
+        with self.lock:
+            if exc is not None and self.exc is None:
+                self.exc = exc
+            self.n -= 1
+            return self.n == 0, self.exc
+
