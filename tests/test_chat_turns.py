@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from zipmoe.runtime.serve.hf_compat import cache_kw
+from zipmoe.runtime.serve.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
 from zipmoe_cli.app import main
 
 from test_runtime_fixtures import container, reference
@@ -67,10 +67,10 @@ def _reference_conversation(src, prompts, *, system, context, max_new):
         keep = min(_lcp(held, ids), len(ids) - 1)
         length = int(cache.get_seq_length())
         if length > keep:
-            cache.crop(-(length - keep))
+            crop(cache, length - keep)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = ref.generate(**enc, **{cache_kw(ref): cache}, max_new_tokens=max_new, do_sample=False)
+            out = ref.generate(**enc, **{cache_kw(ref): cache}, max_new_tokens=max_new, do_sample=False, **NO_AUTO_COMPILE)
         new = out[0, len(ids):].tolist()
         held = (ids + new)[: int(cache.get_seq_length())]
         text = tok.decode(new, skip_special_tokens=True)

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime.serve.hf_compat import cache_kw
+from zipmoe.runtime.serve.hf_compat import cache_kw, crop
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "kv_cache_bytes", "loop_generate",
            "model_max_context"]
@@ -198,7 +198,7 @@ class DecodeLoop:
     def reset(self) -> None:
         """Forget the cached positions (the tensors stay allocated)."""
         if self.length:
-            self.cache.crop(-self.length)
+            crop(self.cache, self.length)
         self.tokens = [[] for _ in range(self.batch)]
         self._mask = None
         self._pos = None
@@ -207,7 +207,7 @@ class DecodeLoop:
         drop = self.length - keep
         if drop <= 0:
             return
-        self.cache.crop(-drop)
+        crop(self.cache, drop)
         self.tokens = [t[:keep] for t in self.tokens]
         if self._mask is not None:
             self._mask = self._mask[:, :keep]
