@@ -8,9 +8,10 @@ layers, to save the synth and pack minutes) in the fused layout, packs it (codec
 codec does not matter with every expert resident), then for each batch size:
 
 * ``zipmoe-graphed``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert,
-  a StaticCache, :class:`zipmoe.runtime.serve.graphs.GraphedStep`;
-* ``zipmoe-batched`` (batch > 1 only): GraphedStep with ``batched_sparse=True``, the opt-in
-  graphs of batch > 1 sparse blocks (the default, ``zipmoe-graphed``, runs them on the host path);
+  a StaticCache, :class:`zipmoe.runtime.serve.graphs.GraphedStep` as served (its defaults);
+* ``zipmoe-batched`` (batch > 1 only): GraphedStep with ``batched_sparse=True``, the graphs of
+  batch > 1 sparse blocks (the default since graphs.BATCHED_SPARSE became True; before, the
+  default ran them on the host path);
 * ``zipmoe-pieces``: GraphedStep with ``graph_sparse=False`` (the pieces are graphs, every
   sparse block runs the host path): what the sparse blocks' graphs add;
 * ``zipmoe-eager``: the same model, the eager step (the runtime's host path every layer);

@@ -74,10 +74,11 @@ def gpu_refs():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("batched", [False, True], ids=["default", "batched-sparse"])
+@pytest.mark.parametrize("batched", [False, True], ids=["host-sparse", "batched-sparse"])
 @pytest.mark.parametrize("family", FUSED)
 def test_graphed_decode_is_bit_identical(tmp_path_factory, gpu_refs, family, batched):
-    """batched: batch 4's sparse blocks from graphs too (opt-in until this passes on a GPU)."""
+    """batched: batch 4's sparse blocks from graphs too (the default, graphs.BATCHED_SPARSE); not
+    batched: batch 1 (its sparse blocks are always graphs) and batch 4 with its sparse blocks on the host path."""
     src, path = container(tmp_path_factory, family)
     ref = reference(src, "cuda")
     req = requirements(path, workers=1, device="cuda")
@@ -90,7 +91,7 @@ def test_graphed_decode_is_bit_identical(tmp_path_factory, gpu_refs, family, bat
             rt = model.zipmoe
             try:
                 assert supported(model, batch), why_not(model, batch)
-                got, step = decode(model, prompt, graphs=True, batched_sparse=batched or None)
+                got, step = decode(model, prompt, graphs=True, batched_sparse=batched)
                 for i, (a, b) in enumerate(zip(want, got)):
                     assert torch.equal(a, b), f"{family} batch {batch} {which}: logits differ at step {i}"
                 assert len(step.pieces) == len(step.sparse) + 1 and step.sparse

@@ -29,8 +29,8 @@ far and the new one). :class:`GraphedStep` computes the same logits by replaying
   small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
   into one index buffer and replays the graphs of the layer's experts in ascending order:
   the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
-  runs the host path. Opt-in (``batched_sparse=True``) until verified on a GPU: see
-  :data:`BATCHED_SPARSE`; by default batch > 1 runs every sparse block on the host path.
+  runs the host path. On by default (:data:`BATCHED_SPARSE`; ``batched_sparse=False`` sends
+  batch > 1 sparse blocks to the host path).
 
 The first call runs the eager step (warm-up); the second captures (and computes its step
 while capturing: each piece is replayed as soon as it is captured); later calls replay.
@@ -51,12 +51,12 @@ from zipmoe.runtime.serve.hf_compat import cache_kw
 __all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
 
 BATCHES = (1, 2, 3, 4, 8)
-# Batch > 1 sparse blocks from graphs (_Grouped): off by default until a GPU run shows them
-# bit-identical. The first version shared the pieces' memory pool and was not (H200,
-# 2026-12-01, docs/benchmarks.md); this one has its own pool, not yet run on a GPU:
-# `pytest -m gpu tests/test_graphs.py` checks it (test_graphed_decode_is_bit_identical's
-# batched variant) before this becomes True.
-BATCHED_SPARSE = False
+# Batch > 1 sparse blocks from graphs (_Grouped), on by default since `pytest -m gpu` passed on an
+# H200 with this version (1 Dec 2026, transformers 5.17: test_graphed_decode_is_bit_identical's
+# batched variants, every fused family, torch.equal with the eager reference at every step) and
+# decode_gpu.py measured it identical to transformers' eager experts (docs/benchmarks.md §13,
+# run 3). ``batched_sparse=False`` runs batch > 1 sparse blocks on the host path instead.
+BATCHED_SPARSE = True
 
 
 def eager_step(model, cache, input_ids, attention_mask):
@@ -408,46 +408,44 @@ class GraphedStep:
             out.index_add_(0, token_idx, h.to(out.dtype))
 
     # ------------------------------------------------------------------ one sparse block
+    def _routing_to_host(self, sp: _Sparse) -> None:
+        """Start the small device->host copy of the layer's routing (into a pinned buffer)."""
+        if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
+            self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
+        self._ids_host.copy_(sp.ids, non_blocking=True)
+        self._event.record()
+
+    def _graphed_hits(self, sp: _Sparse, experts, t0: float) -> None:
+        """Account a sparse block served from graphs: every routed expert a full-pool hit."""
+        rt = self.rt
+        cache, counters = rt.cache, rt.counters
+        for e in experts:
+            for t in rt.expert_tensors[(sp.layer, e)]:
+                cache.touch(t.uid)
+                counters.add_hit("full")
+        counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
+        self.stats["graphed_layers"] += 1
+
     def _sparse_step(self, sp: _Sparse) -> None:
         rt = self.rt
         if sp.graph is not None:
             t0 = time.perf_counter()
-            if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
-                self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
-            self._ids_host.copy_(sp.ids, non_blocking=True)
-            self._event.record()
+            self._routing_to_host(sp)
             sp.graph.replay()  # speculative: every routed expert resident
             self._event.synchronize()
             experts = sorted(set(self._ids_host[0].tolist()))
             if all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
-                cache, counters = rt.cache, rt.counters
-                for e in experts:
-                    for t in rt.expert_tensors[(sp.layer, e)]:
-                        cache.touch(t.uid)
-                        counters.add_hit("full")
-                counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
-                self.stats["graphed_layers"] += 1
-                return
+                return self._graphed_hits(sp, experts, t0)
         elif sp.grouped is not None:
             t0 = time.perf_counter()
-            if self._ids_host is None or self._ids_host.shape != sp.ids.shape:
-                self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
-            self._ids_host.copy_(sp.ids, non_blocking=True)
-            self._event.record()
+            self._routing_to_host(sp)
             self._event.synchronize()
             from zipmoe.runtime.serve.experts_hook import routed_indices
 
             experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
             if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
                 sp.grouped.run(sp, experts, index, sizes, self.slots)
-                cache, counters = rt.cache, rt.counters
-                for e in experts:
-                    for t in rt.expert_tensors[(sp.layer, e)]:
-                        cache.touch(t.uid)
-                        counters.add_hit("full")
-                counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
-                self.stats["graphed_layers"] += 1
-                return
+                return self._graphed_hits(sp, experts, t0)
         # the host path: the runtime's experts function (fetches misses), its output replaces the graph's
         from zipmoe.runtime.serve.experts_hook import zipmoe_experts_forward
 
