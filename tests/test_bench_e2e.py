@@ -78,7 +78,7 @@ def test_failing_engine_keeps_partial_results(tiny_container, monkeypatch, capsy
 
     root = tiny_container
 
-    def fake_worker(spec, support, limit, log_path, on_progress):
+    def fake_worker(spec, support, limit, log_path, on_progress, timeout_s=None):
         if spec["budget"] == 1 << 10:
             return {"engine": spec["engine"], "budget": spec["budget"], "ok": False, "runs": [], "user_error": True,
                     "error": "budget 1.00 KiB is too small: this model needs at least 300.00 KiB", "error_type": "BudgetError"}
@@ -99,6 +99,33 @@ def test_failing_engine_keeps_partial_results(tiny_container, monkeypatch, capsy
     assert [(d["engine"], d["budget"], d["ok"]) for d in doc["results"]] == [("zipmoe", 1 << 10, False), ("zipmoe", 2 << 20, True)]
     assert doc["summary"][0]["tpot_s"]["median"] == pytest.approx(0.05)
     assert doc["errors"][0]["budget"] == 1 << 10
+
+
+def test_engine_timeout_kills_the_worker_and_says_so(tiny_container, capsys):
+    """A worker past --engine-timeout is killed with its children: one line, exit 1, the result
+    recorded as timed out (not as a budget failure), no cgroup left behind."""
+    root = tiny_container
+    out = root / "timeout.json"
+    code, cap = _main_code(["bench", str(root / "tiny.zmoe"), "--engine", "zipmoe", "--budget", "2M", "--runs", "1", "--new-tokens", "2",
+                            "--device", "cpu", "--json", str(out), "--disk-bw", "1G", "--engine-timeout", "0.2",
+                            "--work-dir", str(root / "work-timeout")], capsys)
+    err = [x for x in cap.err.splitlines() if x.startswith("zipmoe: error")]
+    assert code == 1 and len(err) == 1, err
+    assert "did not finish in 0.2 s" in err[0] and "--engine-timeout" in err[0]
+    doc = json.loads(out.read_text())
+    res = doc["results"][0]
+    assert not res["ok"] and res["error_type"] == "Timeout" and res["returncode"] == -9
+    assert not any(p.name.startswith("zipmoe-bench-") for p in _cgroup_children(doc))
+    code, _ = _main_code(["bench", str(root / "tiny.zmoe"), "--budget", "2M", "--engine-timeout", "-1"], capsys)
+    assert code == 2
+
+
+def _main_code(argv, capsys):
+    from zipmoe_cli.app import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr()
 
 
 def _cgroup_children(doc):

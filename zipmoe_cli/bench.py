@@ -99,6 +99,7 @@ def bench(
     raw_container: Optional[Path] = typer.Option(None, "--raw-container", help="An existing codec-raw .zmoe for 'uncompressed' (else packed from the source once)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),
     time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
+    engine_timeout: float = typer.Option(0.0, "--engine-timeout", help="Seconds after which an engine's worker is killed (its finished runs kept, the engine reported as timed out); 0 = none."),
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
     context: int = typer.Option(4096, "--context", help="The zipmoe engines' KV cache in tokens (clamped to the model's max_position_embeddings); on the CPU its bytes are added to the cgroup on top of the budget."),
     threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
@@ -156,6 +157,8 @@ def bench(
         raise UsageError(f"--min-tokens must be at least 1, got {min_tokens}")
     if threads < 0:
         raise UsageError(f"--threads must not be negative, got {threads}")
+    if engine_timeout < 0:
+        raise UsageError(f"--engine-timeout must not be negative, got {engine_timeout:g}")
     if (plot is not None or paper_plot is not None):
         try:
             import matplotlib  # noqa: F401
@@ -168,7 +171,7 @@ def bench(
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
-        gguf=gguf,
+        gguf=gguf, engine_timeout_s=engine_timeout or None,
     )
     from rich.console import Console
 

@@ -11,7 +11,10 @@ of g++ on two cores) is skipped.
 Where the parameters go (``zero_optimization.offload_param``):
 
 - ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``;
-  JIT-compiled once into ~/.cache/torch_extensions) swaps every parameter to a folder (the
+  JIT-compiled once into ~/.cache/torch_extensions; bench builds it with :func:`build_ops` in a
+  process of its own, outside every memory cgroup and under a time limit, before the worker
+  starts: g++ inside the budgeted worker was killed by the cgroup, and a build killed while it
+  holds torch's extension lock leaves every later load waiting on that lock) swaps every parameter to a folder (the
   engine's offload folder) and reads each module's parameters back into a pool of
   ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count) and the
   live parameters are sized from the budget (:func:`ds_config`); no parameter stays resident.
@@ -94,6 +97,79 @@ def aio_available() -> tuple[bool, str]:
     if not ok:
         return False, "its NVMe offload needs the async_io op, which needs libaio (apt install libaio-dev)"
     return True, ""
+
+
+OPS = ("AsyncIOBuilder", "PinMemoryBuilder")  # what the NVMe offload loads (the pinned buffers' op where the accelerator has one)
+OP_DIRS = ("async_io", "pin_memory")  # their build folders (the builders' names)
+BUILD_TIMEOUT_S = 1800.0
+
+
+def build_ops(device: str) -> list[str]:
+    """Build (or find built) the ops the NVMe offload loads; the names built. Nothing when the
+    async-I/O op cannot be built here (the worker then says why) or the offload is forced to cpu."""
+    if os.environ.get("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "") == "cpu":
+        return []
+    import_deepspeed(device)
+    if not aio_available()[0]:
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in OPS:
+        try:
+            builder = get_accelerator().create_op_builder(name)
+        except Exception:  # noqa: BLE001  (an accelerator without this op)
+            builder = None
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            built.append(name)
+    return built
+
+
+def prepare(device: str, log, timeout_s: float | None = None) -> None:
+    """Build DeepSpeed's NVMe ops in a process of its own (outside the memory cgroups), once per
+    machine (torch caches them under ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions).
+    A build that fails or outlives ``timeout_s`` is one line; a build cut off by the time limit is
+    killed with its compilers and its lock files are removed, so that no later load waits on them."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from zipmoe.runtime.bench.procs import kill_tree
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return  # the worker says which extra is missing
+    timeout_s = timeout_s or float(os.environ.get("ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", BUILD_TIMEOUT_S))
+    log("deepspeed: building its async-I/O ops (once per machine, cached by torch's extension builder)")
+    proc = subprocess.Popen([sys.executable, "-m", __name__, device], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # the compilers too: ninja gives each a process group of its own
+        proc.communicate()
+        removed = _remove_build_locks()
+        raise UsageError(f"baseline 'deepspeed': building its async_io op did not finish in {timeout_s:.0f} s"
+                         f"{' (its lock files removed)' if removed else ''}; ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT sets the limit") from None
+    if proc.returncode != 0:
+        tail = [x for x in (err or "").strip().splitlines() if x.strip()]
+        raise UsageError(f"baseline 'deepspeed': building its async_io op failed: {tail[-1] if tail else f'exit {proc.returncode}'}")
+
+
+def _remove_build_locks() -> list[str]:
+    """Remove the lock files torch's extension builder left in the ops' build folders (their
+    builder was killed: a later load would wait on them for ever); the paths removed."""
+    from pathlib import Path
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    roots = [Path(root)] if root else list((Path.home() / ".cache" / "torch_extensions").glob("*"))
+    removed = []
+    for base in roots:
+        for name in OP_DIRS:
+            lock = base / name / "lock"
+            if lock.exists():
+                lock.unlink()
+                removed.append(str(lock))
+    return removed
 
 
 def before_load(spec: dict) -> dict:
@@ -233,3 +309,9 @@ def _checkpoint_dtype(source, torch):
     cfg = json.loads(Path(source, "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
+
+
+if __name__ == "__main__":  # bench's op build (prepare): python -m zipmoe.runtime.bench.deepspeed_engine DEVICE
+    import sys
+
+    print(" ".join(build_ops(sys.argv[1] if len(sys.argv) > 1 else "cpu")) or "nothing to build")

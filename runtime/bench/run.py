@@ -35,6 +35,7 @@ from zipmoe.machine import cpu_model, resolve_device
 from zipmoe.runtime.bench import cgroup, cold, engines, report
 from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, prepare_raw_container, prepare_source,
                                          read_prompts, tokenize)
+from zipmoe.runtime.bench.procs import kill_tree
 from zipmoe.units import format_size
 
 SCHEMA = "zipmoe-bench/1"
@@ -70,6 +71,7 @@ class BenchConfig:
     prompt_tokens: int = 64
     seed: int = 0
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
+    engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
 
     @property
     def allow_drop_caches(self) -> bool:
@@ -148,8 +150,10 @@ START_ALLOWANCE = 4 << 30  # room for the imports before the worker measures its
 # ----------------------------------------------------------------------------- workers
 
 
-def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on_progress) -> dict:
-    """Run one engine's worker process (inside a memory cgroup when possible); its JSON doc."""
+def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on_progress, timeout_s: float | None = None) -> dict:
+    """Run one engine's worker process (inside a memory cgroup when possible); its JSON doc. A
+    worker still running after ``timeout_s`` is killed with its process group (compilers and
+    other children included) and reported as timed out, with the runs it finished."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -165,13 +169,26 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
         with open(log_path, "a") as log:
             proc = subprocess.Popen([sys.executable, "-m", "zipmoe.runtime.bench.worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+            expired = threading.Event()
+
+            def kill_on_timeout():
+                expired.set()
+                kill_tree(proc.pid)  # its children too (a compiler DeepSpeed started, say)
+
+            timer = threading.Timer(timeout_s, kill_on_timeout) if timeout_s else None
+            if timer:
+                timer.daemon = True
+                timer.start()
 
             def pump():
-                for line in proc.stderr:
-                    if line.startswith("@@progress"):
-                        on_progress()
-                    else:
-                        log.write(line)
+                try:
+                    for line in proc.stderr:
+                        if line.startswith("@@progress"):
+                            on_progress()
+                        else:
+                            log.write(line)
+                except ValueError:  # the log closed under a straggler's last line
+                    pass
 
             t = threading.Thread(target=pump, daemon=True)
             t.start()
@@ -179,6 +196,8 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
             proc.stdin.close()
             out = proc.stdout.read()
             rc = proc.wait()
+            if timer:
+                timer.cancel()
             t.join(timeout=5)
         doc = None
         for line in reversed(out.strip().splitlines()):
@@ -193,12 +212,15 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
                 runs = [json.loads(x) for x in result_path.read_text().splitlines() if x.strip()]
             doc = {"engine": spec["engine"], "budget": spec.get("budget"), "ok": False, "runs": runs,
                    "error": f"worker exited with status {rc} and no report", "error_type": "Killed" if rc < 0 else "Crashed"}
+        if expired.is_set():
+            doc.update(ok=False, error_type="Timeout", user_error=True,
+                       error=f"engine {spec['engine']} did not finish in {timeout_s:g} s (--engine-timeout); its finished runs are kept")
         doc["returncode"] = rc
         doc["wall_s"] = time.perf_counter() - t0
         doc["log"] = str(log_path)
         if cg is not None:
             doc["cgroup_stats"] = cg.stats()
-            if doc["cgroup_stats"].get("oom_kills") or (rc in (-9, 137) and not doc.get("ok")):
+            if doc["cgroup_stats"].get("oom_kills") or (rc in (-9, 137) and not doc.get("ok") and not expired.is_set()):
                 doc["error_type"] = "OOMKilled"
                 lim = doc["cgroup_stats"].get("limit_bytes") or limit
                 doc["error"] = (f"engine {spec['engine']} cannot run in budget {format_size(spec['budget'])}: killed by the memory cgroup "
@@ -354,6 +376,16 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
             gguf_file = bench_gguf.prepare(source, work, cfg.gguf, log)
         except ZipmoeError as exc:
             runnable = _drop(("gguf",), exc)
+    if "deepspeed" in runnable:  # its NVMe ops are compiled outside the engines' cgroups
+        from zipmoe.runtime.bench import deepspeed_engine
+
+        try:
+            deepspeed_engine.prepare(device, log)
+        except ZipmoeError as exc:
+            msg = str(exc).splitlines()[0]
+            errors.append(msg)
+            doc["errors"].append({"engine": "deepspeed", "error": msg})
+            runnable = [e for e in runnable if e != "deepspeed"]
     if "uncompressed" in runnable:
         try:
             raw = prepare_raw_container(cfg, work, source, log)
@@ -423,7 +455,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
             limit = budget + START_ALLOWANCE + slack + kv_allowance(spec) if (support.usable and budget is not None) else None
             spec["cgroup_margin"] = slack
             res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
-                             (lambda: prog.advance()) if prog else (lambda: None))
+                             (lambda: prog.advance()) if prog else (lambda: None), timeout_s=cfg.engine_timeout_s)
             res["cgroup_limit_bytes"] = limit
             # replace an earlier result for the same engine/budget (a re-run with --merge)
             doc["results"] = [d for d in doc["results"] if not (d.get("engine") == eng and d.get("budget") == budget)]
