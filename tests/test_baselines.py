@@ -162,7 +162,7 @@ def test_bench_conversion_failure_keeps_other_engines(mixtral, tmp_path, monkeyp
     monkeypatch.setattr(engines, "missing_extra", lambda name: None)  # as if llama-cpp-python were installed
     ran = []
 
-    def fake_worker(spec, support, limit, log_path, on_progress):
+    def fake_worker(spec, support, limit, log_path, on_progress, timeout_s=None):
         ran.append(spec["engine"])
         run = {"engine": spec["engine"], "budget": spec["budget"], "batch": 1, "new_tokens": 2, "generated": 2, "case": "b1-n2",
                "ttft_s": 0.1, "tpot_s": 0.05, "e2e_s": 0.15, "tokens_per_s": 13.3, "tokens": [[1, 2]]}
