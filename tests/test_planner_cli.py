@@ -161,6 +161,35 @@ def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(contain
     assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
 
 
+def test_profile_measures_the_disk_at_the_runtimes_queue_depth(container, monkeypatch):
+    """disk.bw_readers: the expert extents read as serving reads them (reader threads sharing
+    pieces); the model's channel takes the faster rate and the latency shared by the readers. A
+    cached profile of another queue depth (or from before it was measured) is measured again."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.plan.micro import measure_disk_readers
+    from zipmoe.runtime.plan.profile import default_profile_path, get_profile, save_profile
+    from zipmoe.runtime.serve.loader import default_readers
+    from zipmoe.runtime.serve.reads import DEFAULT_READERS
+
+    path, cid = container
+    with ContainerReader(path) as r:
+        extents = [tuple(e.extent) for e in r.entries if e.role == "expert"]
+    got = measure_disk_readers(path, extents, 3, seconds=0.05)
+    assert got["readers"] == 3 and got["bytes"] > 0 and got["bw"] > 0
+    assert default_readers() == DEFAULT_READERS
+    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True)
+    d, c = prof["disk"], prof["costs"]
+    assert src == "measured" and d["readers"] == DEFAULT_READERS and d["bw_readers"] > 0
+    assert c["disk_bw"] == max(d["bw"], d["bw_readers"]) and c["disk_latency"] == d["latency_s"] / DEFAULT_READERS
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "cached"
+    monkeypatch.setenv("ZIPMOE_READERS", "2")
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[0]["disk"]["readers"] == 2  # measured again
+    monkeypatch.delenv("ZIPMOE_READERS")
+    del prof["disk"]["readers"]  # a profile cached before queue depth was measured
+    save_profile(prof, default_profile_path(cid))
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
+
+
 def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed(container):
     """The profile's serving passes: every chosen expert fetched from the disk, then every one a
     compressed hit (the split of what serving adds, runtime.profile.serving_overheads)."""

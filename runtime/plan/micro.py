@@ -3,6 +3,8 @@
 * :func:`measure_disk`: cold reads of the container's expert extents, one request at a time,
   with ``O_DIRECT`` into page-aligned buffers (or ``pread`` after ``posix_fadvise(DONTNEED)``
   where the file system refuses ``O_DIRECT``), fitted to ``t = latency + bytes / bw``;
+* :func:`measure_disk_readers`: the same extents read as serving reads them, 1 MiB pieces
+  shared by the runtime's reader threads (queue depth = readers), aggregate bytes per second;
 * :func:`measure_decomp`: one decode worker decompressing real E chunks with serving's own
   function, bf16 bytes per second;
 * :func:`measure_merge`: ``zipmoe.kernels.merge`` on the device, bf16 bytes per second;
@@ -22,7 +24,7 @@ import numpy as np
 
 from zipmoe.errors import UsageError
 
-__all__ = ["measure_disk", "measure_decomp", "measure_merge", "measure_compute"]
+__all__ = ["measure_disk", "measure_disk_readers", "measure_decomp", "measure_merge", "measure_compute"]
 
 ALIGN = 4096
 
@@ -112,6 +114,45 @@ def measure_disk(path, ranges: list[tuple[int, int]], seconds: float = 1.0, seed
         lat, inv_bw = float(small) / 2, float(small) / 2 / ALIGN
     return {"method": method, "latency_s": float(lat), "bw": float(1.0 / inv_bw), "samples": len(samples),
             "bytes": int(x.sum()), "median_4k_s": float(small), "read_sizes": sorted({int(v) for v in x})[:8]}
+
+
+def measure_disk_readers(path, ranges: list[tuple[int, int]], readers: int, seconds: float = 1.0, seed: int = 0) -> dict:
+    """Cold reads of random expert extents the way serving reads them: each extent cut into the
+    runtime's pieces (:meth:`ExpertStore.pieces`), ``readers`` threads taking pieces with
+    :meth:`ExpertStore.read_piece` (O_DIRECT where the file system allows it; one ``preadv``
+    each, which releases the GIL), so that up to ``readers`` requests are in flight. Stored bytes
+    per second over the whole batch. Extents are drawn without repeats while any are left, so
+    that the drive's own cache rarely answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zipmoe.runtime.serve.reads import ExpertStore
+
+    readers = max(1, int(readers))
+    rng = random.Random(seed)
+    order = list(ranges)
+    rng.shuffle(order)
+    store = ExpertStore(path, None)
+    try:
+        done = 0
+        spent = 0.0
+        batches = 0
+        with ThreadPoolExecutor(readers) as pool:
+            while order and (spent < seconds or batches < 2):
+                take, size = [], 0
+                while order and (size < (64 << 20) or len(take) < readers):  # about 64 MiB a batch
+                    off, ln = order.pop()
+                    take.append((off, ln))
+                    size += ln
+                jobs = [(buf, p) for off, ln in take for buf in [store.new_buffer(off, ln)] for p in store.pieces(off, ln)]
+                t0 = time.perf_counter()
+                done += sum(pool.map(lambda job: store.read_piece(job[0], *job[1])[0], jobs))
+                spent += time.perf_counter() - t0
+                batches += 1
+        method = "O_DIRECT" if store.direct else "buffered (O_DIRECT refused: the page cache may answer)"
+    finally:
+        store.close()
+    return {"readers": readers, "bw": done / spent if spent > 0 else 0.0, "bytes": int(done), "seconds": spent,
+            "method": method, "piece": store.piece}
 
 
 def measure_decomp(reader, tensors, seconds: float = 0.5) -> dict:

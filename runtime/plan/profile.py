@@ -13,7 +13,14 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   ``pread`` after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the range, and ``disk.method``
   says which was used (``"O_DIRECT"`` or ``"pread+fadvise(DONTNEED)"``; on tmpfs the latter
   measures memory, which is then what the disk is). Small (4 KiB) and expert-sized reads at
-  random aligned offsets are fitted by least squares to ``t = latency + bytes / bw``.
+  random aligned offsets are fitted by least squares to ``t = latency + bytes / bw``
+  (``disk.latency_s``, ``disk.bw``: queue depth 1). Then **at the runtime's queue depth**
+  (``disk.readers`` threads, :func:`~zipmoe.runtime.serve.loader.default_readers`, sharing
+  1 MiB pieces as serving reads them; ``disk.bw_readers``): the schedule model's one I/O
+  channel stands for those readers together, so ``costs.disk_bw`` is the larger of the two
+  rates and ``costs.disk_latency`` the queue-depth-1 latency divided by ``readers`` (that many
+  requests overlap their latencies). Profiles cached before 1 Dec 2026 (no ``disk.readers``)
+  are measured again.
 * **decompression**: one thread (= one decode worker) decodes the E chunks of real expert
   tensors with the container's codec into a preallocated buffer, with the function serving runs
   (runtime.serve.decode.decode_exp_into, checksums checked): ``decomp_bw_per_worker`` counts
@@ -73,7 +80,7 @@ from pathlib import Path
 from zipmoe.errors import UsageError
 from zipmoe.machine import cores, cpu_model, decode_workers, torch_threads
 from zipmoe.runtime.plan.fits import serving_overheads
-from zipmoe.runtime.plan.micro import measure_compute, measure_decomp, measure_disk, measure_merge
+from zipmoe.runtime.plan.micro import measure_compute, measure_decomp, measure_disk, measure_disk_readers, measure_merge
 from zipmoe.runtime.plan.passes import measure_runtime
 from zipmoe.runtime.plan.simulate import Costs
 
@@ -133,7 +140,13 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         experts = [e for e in reader.entries if e.role == "expert" and e.dtype == "BF16"]
         tensors = [t for ts in expert_tensors(reader).values() for t in ts]
         sample = random.Random(1).sample(tensors, min(len(tensors), 24))
-        disk = measure_disk(path, [tuple(e.extent) for e in experts], seconds=1.0 * scale)
+        from zipmoe.runtime.serve.loader import default_readers
+
+        extents = [tuple(e.extent) for e in experts]
+        disk = measure_disk(path, extents, seconds=1.0 * scale)
+        readers = default_readers()
+        qd = measure_disk_readers(path, extents, readers, seconds=1.0 * scale)
+        disk.update(readers=readers, bw_readers=qd["bw"], readers_method=qd["method"])
         decomp = measure_decomp(reader, sample, seconds=0.5 * scale)
         biggest = max(u[2] // 2 for u in layout.units)
         merge = measure_merge(biggest, device, seconds=0.3 * scale)
@@ -167,8 +180,9 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         except Exception as exc:  # noqa: BLE001 - the runtime is optional for a profile
             prof["runtime"] = {"error": f"{type(exc).__name__}: {exc}"}
     prof["costs"] = {
-        "disk_bw": disk["bw"],
-        "disk_latency": disk["latency_s"],
+        # the model's one I/O channel is the runtime's readers together (see the module docstring)
+        "disk_bw": max(disk["bw"], disk["bw_readers"]),
+        "disk_latency": disk["latency_s"] / readers,
         "decomp_bw_per_worker": decomp["bw_per_worker"],
         "merge_bw": merge["bw"],
         "compute_s_per_expert": compute_s,
@@ -258,13 +272,16 @@ def get_profile(container_path, container_id: str, device: str = "cpu", profile_
         prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
         save_profile(prof, p)
         return prof, "measured"
+    from zipmoe.runtime.serve.loader import default_readers
+
     p = default_profile_path(container_id, device, dtype)
     if p.exists() and not remeasure:
         try:
             prof = load_profile(p)
         except UsageError:
             prof = None
-        if prof is not None and check_profile(prof, container_path, container_id, device, dtype) is None:
+        if (prof is not None and check_profile(prof, container_path, container_id, device, dtype) is None
+                and prof.get("disk", {}).get("readers") == default_readers()):  # measured at today's queue depth
             return prof, "cached"
     prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
     try:

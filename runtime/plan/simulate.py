@@ -17,8 +17,8 @@ the device)::
                                                             the container stores E and SM of a
                                                             tensor contiguously)
 
-Resources: one I/O channel (the disk, one request at a time), ``L`` CPU decode workers, and
-one device that runs merges and computes one after the other.
+Resources: one I/O channel (the disk, as the runtime's reader threads reach it together), ``L``
+CPU decode workers, and one device that runs merges and computes one after the other.
 
 Decompression is split as the runtime splits it: with more than one worker, a tensor's
 decompression is ``Task.chunks`` jobs (one per stored E chunk, each ``1/chunks`` of the work),
@@ -54,9 +54,11 @@ What the numbers count (normative; runtime.plan.micro and runtime.plan.passes me
 - ``Task.nbytes``: the tensor's decoded size in bf16 bytes (2 × numel).
   ``Task.e_bytes``: its stored (compressed) E chunks, bytes. ``Task.sm_bytes``: its stored SM
   chunk (numel bytes; default ``nbytes // 2``).
-- ``Costs.disk_bw``: stored bytes per second of cold reads (O_DIRECT, one request in flight).
-  ``Costs.disk_latency``: seconds added to every read request. A read of ``n`` bytes takes
-  ``disk_latency + n / disk_bw``.
+- ``Costs.disk_bw``: stored bytes per second of cold reads (O_DIRECT) at the runtime's queue
+  depth: the one I/O channel here is the runtime's reader threads together, which share every
+  read's pieces (runtime.serve.reads). ``Costs.disk_latency``: seconds added to every read
+  request (plan/profile.py measures it at queue depth 1 and divides it by the readers, whose
+  requests overlap). A read of ``n`` bytes takes ``disk_latency + n / disk_bw``.
 - ``Costs.decomp_bw_per_worker``: bf16 bytes (``Task.nbytes``, as in DESIGN.md's codec table,
   not the exponent bytes written) decoded per second by one worker, decoding into a
   preallocated buffer. Plus ``decomp_overhead_s`` per decompression job.
@@ -94,7 +96,7 @@ from zipmoe.runtime.serve.order import _READS, STATES, Task, order  # noqa: F401
 class Costs:
     """Measured hardware costs (see the module docstring for exactly what each counts)."""
 
-    disk_bw: float  # stored bytes / s, cold, one request at a time
+    disk_bw: float  # stored bytes / s, cold, at the runtime's queue depth (its readers together)
     disk_latency: float  # s per read request
     decomp_bw_per_worker: float  # bf16 bytes / s / worker
     merge_bw: float  # bf16 bytes / s on the device

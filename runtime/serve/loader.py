@@ -344,7 +344,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
         budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
         slots=slots,
-        cache_age=cache_age, readers=_env_int("ZIPMOE_READERS") if readers is None else readers,
+        cache_age=cache_age, readers=default_readers() if readers is None else readers,
         prefetch=_default_prefetch(dev) if prefetch is None else prefetch,
     )
     rt.memory_limit = memory
@@ -407,6 +407,14 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
+
+
+def default_readers() -> int:
+    """The reader threads (queue depth) a load without ``readers=`` uses: ``ZIPMOE_READERS``, else
+    :data:`reads.DEFAULT_READERS`."""
+    from zipmoe.runtime.serve.reads import DEFAULT_READERS
+
+    return _env_int("ZIPMOE_READERS") or DEFAULT_READERS
 
 
 def _env_int(name: str) -> int | None:
