@@ -182,6 +182,39 @@ def test_lone_greedy_answer_is_chat_json(server, mixtral, capsys):
         assert cut.choices[0].message.content == text[: text.find(stop)]
 
 
+def test_a_conversations_next_turn_reuses_the_kv_cache_as_chat_does(server, mixtral, capsys):
+    """Turn 2 of a conversation (the whole turn 1 in its messages) reuses the lone-request loop's
+    KV cache: usage says how many prompt tokens were cached, and the tokens of both turns equal
+    `zipmoe chat --greedy --json --prompt A --prompt B`'s (chat keeps its cache the same way)."""
+    a, b = "Name a colour.", "And another one?"
+    try:
+        main(["chat", str(mixtral[1]), "--prompt", a, "--prompt", b, "--greedy", "--max-new-tokens", "8", "--json",
+              "--budget", "64M", "--workers", "1", "--threads", "1"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    want = json.loads(out.out)["turns"]
+    client = server.client()
+    history = [{"role": "user", "content": a}]
+    one = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    assert one.choices[0].model_extra["token_ids"] == want[0]["token_ids"]
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": b}]
+    two = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    assert two.choices[0].model_extra["token_ids"] == want[1]["token_ids"]
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and two.usage.prompt_tokens - cached == want[1]["stats"]["prefill_tokens"]
+    # a prompt that does not extend the conversation starts afresh (what a fresh chat computes)
+    again = client.chat.completions.create(model=MODEL, messages=history[:1], max_tokens=8, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].model_extra["token_ids"] == want[0]["token_ids"]
+
+
 HOSTILE = [
     ("POST", "/v1/chat/completions", b"{not json", 400),
     ("POST", "/v1/chat/completions", b"", 400),

@@ -1,4 +1,6 @@
-"""The server's model seam and engine in-process: a lone row is generate()'s computation exactly; rows
+"""The server's model seam and engine in-process: a lone row on transformers' forward is generate()'s
+computation exactly, a lone request (alone=True) is the decode loop's (chat's) with its cache
+kept for the next turn; rows
 that are left-padded, joined mid-decode and dropped keep computing what they compute alone (up to
 the last bits that padding and other matrix shapes may move); the engine batches, cancels and
 honours stop strings."""
@@ -92,6 +94,78 @@ def test_padded_joined_and_dropped_rows_compute_what_they_compute_alone(loaded):
             want = alone[r][1][k]
             assert torch.allclose(got, want, atol=0.05, rtol=0.0), (r, k, (got - want).abs().max())
     assert batch.mask.shape[0] == 3
+
+
+def _loop_alone(loop, ids, n, reuse=False):
+    logits = loop.prefill(torch.tensor([ids]), reuse=reuse)
+    rows, toks = [logits[0]], [int(logits[0].argmax())]
+    for _ in range(n - 1):
+        logits = loop.step([toks[-1]])
+        rows.append(logits[0])
+        toks.append(int(logits[0].argmax()))
+    return toks, rows
+
+
+def test_a_lone_request_decodes_on_the_loop_as_chat_does(loaded):
+    """alone=True: the stepper's DecodeLoop (a static cache of the same length as chat's):
+    torch.equal logits to a DecodeLoop of its own, a conversation's next turn reuses the cache
+    as chat's next turn does, and a prompt that does not extend it starts from an empty cache."""
+    from zipmoe.runtime.api.stepper import LoopBatch, TransformersStepper
+    from zipmoe.runtime.serve.loop import DecodeLoop
+
+    model, tok = loaded
+    stepper = TransformersStepper(model, context=64)
+    ref = DecodeLoop(model, context=64)
+    a = _prompts(tok)[0]
+    batch, logits = stepper.prefill([a], alone=True)
+    assert isinstance(batch, LoopBatch) and stepper.reused == 0
+    want_toks, want = _loop_alone(ref, a, 5)
+    got, toks = [logits[0]], [int(logits[0].argmax())]
+    for _ in range(4):
+        logits = stepper.step(batch, [toks[-1]])
+        got.append(logits[0])
+        toks.append(int(logits[0].argmax()))
+    assert toks == want_toks and all(torch.equal(x, y) for x, y in zip(got, want))
+    # the next turn: the whole first prompt, its answer, then more
+    nxt = a + want_toks + a[-3:]
+    batch, logits = stepper.prefill([nxt], alone=True)
+    assert stepper.reused == ref.length and stepper.reused > len(a)
+    assert torch.equal(logits, ref.prefill(torch.tensor([nxt]), reuse=True))
+    # not an extension: from an empty cache, as a fresh chat
+    other = _prompts(tok)[1]
+    batch, logits = stepper.prefill([other], alone=True)
+    assert stepper.reused == 0 and torch.equal(logits, DecodeLoop(model, context=64).prefill(torch.tensor([other])))
+    # too long for the loop's cache (or not alone): transformers' forward, as before
+    assert not stepper.fits_loop(65) and stepper.fits_loop(64)
+    assert not isinstance(stepper.prefill([other])[0], LoopBatch)
+
+
+def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alone(loaded):
+    from zipmoe.runtime.api.stepper import TransformersStepper
+
+    model, tok = loaded
+    stepper = TransformersStepper(model, context=64)
+    prompts = _prompts(tok)
+    alone = [_alone(TransformersStepper(model), p, 6) for p in prompts[:2]]
+    batch, logits = stepper.prefill([prompts[0]], alone=True)
+    seen = {0: [logits[0]], 1: []}
+    order = [0]
+    for step in range(5):
+        if step == 2:  # a second request: the lone row's static cache becomes a dynamic one
+            assert stepper.can_join
+            new, lg = stepper.prefill([prompts[1]])
+            seen[1].append(lg[0])
+            batch = stepper.join(batch, new)
+            order = [0, 1]
+        feed = [alone[r][0][len(seen[r]) - 1] for r in order]
+        logits = stepper.step(batch, feed)
+        for i, r in enumerate(order):
+            seen[r].append(logits[i])
+    assert batch.mask.shape[0] == 2
+    for r in (0, 1):
+        for k, got in enumerate(seen[r]):
+            want = alone[r][1][k]
+            assert torch.allclose(got, want, atol=0.05, rtol=0.0), (r, k, (got - want).abs().max())
 
 
 def test_engine_batches_cancels_and_stops(loaded):

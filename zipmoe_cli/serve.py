@@ -41,6 +41,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most requests queued for a slot (429 above)."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds requests in flight may take to finish after SIGTERM/Ctrl-C."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level (info shows every request)."),
+    context: int = typer.Option(4096, "--context", help="KV cache in tokens of the decode loop a lone request runs on, as `zipmoe chat` (clamped to the model's max_position_embeddings; on top of --budget)."),
 ) -> None:
     """Serve a model over HTTP with the OpenAI API (chat, completions, streaming, metrics)."""
     from zipmoe.errors import ContainerError, UsageError
@@ -54,6 +55,8 @@ def serve(
         raise UsageError("--workers and --threads must be at least 1")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, not {port}")
+    if context < 2:
+        raise UsageError("--context must be at least 2 tokens")
     if shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout must be 0 or more")
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -101,7 +104,8 @@ def serve(
     cfg = ServeConfig(file=file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
                       dtype=dtype, warm=warm, model_name=model_name or file.stem, api_key=api_key,
                       max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens,
-                      default_max_tokens=default_max_tokens, max_body=body_bytes, shutdown_timeout=shutdown_timeout)
+                      default_max_tokens=default_max_tokens, max_body=body_bytes, shutdown_timeout=shutdown_timeout,
+                      context=context)
     server_box: dict = {}
 
     def on_fatal(exc) -> None:
@@ -113,6 +117,11 @@ def serve(
         from zipmoe.units import format_size
 
         rt = state.model.zipmoe
+        loop = state.stepper.loop
+        if loop is not None:
+            kv = format_size(loop.kv_bytes) if loop.kv_bytes is not None else "allocated at the first request"
+            note = f" (asked for {context}; the model's limit is {loop.context})" if loop.clamped else ""
+            _say(f"zipmoe serve: KV cache of a lone request's decode loop: {loop.context} tokens{note}, {kv} on top of the budget")
         _say(f"zipmoe serve: ready: {rt.family.name}, context {state.context} tokens, batches of up to "
              f"{max_batch}, budget {format_size(rt.budget)}{', API key required' if api_key else ''}")
 

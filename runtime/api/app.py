@@ -61,6 +61,7 @@ class ServeConfig:
     default_max_tokens: int = 1024  # when a request does not say
     max_body: int = 1 << 20
     shutdown_timeout: float = 10.0
+    context: int = 4096  # the lone-request decode loop's KV cache (tokens; clamped to the model's limit)
 
 
 class ServerState:
@@ -69,6 +70,7 @@ class ServerState:
     def __init__(self, cfg: ServeConfig, on_fatal=None, on_ready=None) -> None:
         self.cfg = cfg
         self.model = None
+        self.stepper = None
         self.tokenizer = None
         self.context = 0
         self.vocab = 0
@@ -117,9 +119,10 @@ class ServerState:
         if tokenizer is None:
             raise UsageError(f"{c.file} has no tokenizer files: serve needs one")
         try:
-            stepper = TransformersStepper(model)
+            stepper = TransformersStepper(model, context=c.context)
         except ValueError as exc:
             raise UsageError(f"{c.file}: {exc}") from None
+        self.stepper = stepper
         self.tokenizer = tokenizer
         self.context = context_length(model, tokenizer)
         self.vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
@@ -267,7 +270,8 @@ class _Events:
 
 def _usage(g: Generation) -> dict:
     p, c = len(g.prompt_ids), len(g.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
 
 
 def _finish_reason(g: Generation) -> str:

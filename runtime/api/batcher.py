@@ -4,7 +4,10 @@ The HTTP side (asyncio) only *submits* :class:`Request` objects and reads the ev
 emit; all model work happens on the engine's own thread, through a stepper
 (:mod:`.stepper`). One turn of the engine's loop:
 
-1. **admit**: the requests waiting in the queue, up to the free slots, are prefilled together
+1. **admit**: a request that comes alone (nothing running, it fits the stepper's decode loop)
+   is prefilled on the stepper's own decode loop, as `zipmoe chat` computes a turn (its KV cache
+   kept for a conversation's next request); otherwise
+   the requests waiting in the queue, up to the free slots, are prefilled together
    (one forward over their left-padded prompts), get their first token, and join the running
    batch (its KV cache and theirs are padded to one length and concatenated). A request that
    arrives while a batch decodes therefore waits at most one decode step to join it; when
@@ -69,6 +72,7 @@ class Request:
         self.sink = sink or (lambda kind, payload: None)
         self.cancelled = False
         self.token_ids: list[int] = []
+        self.cached_tokens = 0  # prompt tokens whose KV came from the cache (not computed)
         self.text = ""
         self.sent = ""  # text already handed out as deltas
         self.finish_reason: str | None = None
@@ -215,7 +219,11 @@ class Engine:
 
     def _admit(self, batch, take: list[Request]):
         t0 = time.perf_counter()
-        new, logits = self.stepper.prefill([r.prompt_ids for r in take])
+        # a request alone decodes on the runtime's own loop (the stepper's), as `zipmoe chat` does
+        alone = batch is None and len(take) == 1 and self.stepper.fits_loop(len(take[0].prompt_ids) + take[0].params.max_tokens)
+        new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone)
+        if alone:
+            take[0].cached_tokens = int(self.stepper.reused)
         if self.metrics is not None:
             self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
         for i, r in enumerate(take):

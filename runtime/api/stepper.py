@@ -1,13 +1,12 @@
 """The one seam between the server's batching engine and the model: prefill, step, drop, join.
 
 The batching engine (:mod:`.batcher`) never calls the model itself; it talks to a *stepper*
-through four calls, so that the decode loop underneath can be swapped (today transformers'
-forward with a ``DynamicCache``; later zipmoe's own loop with a static KV cache) by changing
-this module only:
+through four calls, so that the decode loop underneath can be swapped by changing this module
+only:
 
-* ``prefill(prompts) -> (batch, logits)``: run a batch of prompts (lists of token ids, any
-  lengths; left-padded with an attention mask when they differ) and return an opaque batch
-  state and the next-token logits of every row (``[rows, vocab]``, float32);
+* ``prefill(prompts, alone=False) -> (batch, logits)``: run a batch of prompts (lists of token
+  ids, any lengths; left-padded with an attention mask when they differ) and return an opaque
+  batch state and the next-token logits of every row (``[rows, vocab]``, float32);
 * ``step(batch, tokens) -> logits``: feed one token per row, return the next logits;
 * ``select(batch, keep) -> batch``: keep only these rows (finished or cancelled rows leave;
   padding columns no row needs any more are trimmed away);
@@ -16,10 +15,21 @@ this module only:
   it at the next step. ``can_join`` is False for caches this module cannot re-pad; the engine
   then queues newcomers until the running batch has finished.
 
-A lone request (one row, no padding) is computed exactly as ``model.generate`` computes it —
-the same forward calls with the same shapes (positions ``0..n-1``, no attention mask when
-there is no padding, ``logits_to_keep=1``) — so its greedy tokens are those of
-``zipmoe chat --greedy``.
+**A lone request** (``alone=True``: the engine asks so when nothing else runs and the request
+fits :meth:`TransformersStepper.fits_loop`) decodes on zipmoe's own decode loop
+(:class:`zipmoe.runtime.serve.loop.DecodeLoop`: a static KV cache of ``context`` positions,
+allocated once, CUDA graphs where they apply) exactly as ``zipmoe chat`` decodes a turn, so its
+greedy tokens are ``zipmoe chat --greedy``'s, and the loop's KV cache is kept between requests:
+a request whose prompt extends the last one (the whole previous prompt, then more: a
+conversation's next turn, with the previous answer in it) keeps the longest common prefix of
+the cache and the prompt and prefills only the rest, as chat's next turn does (``reused`` says
+how many prompt tokens came from the cache). Any other prompt is prefilled from an empty
+cache, so that it computes what a fresh ``zipmoe chat`` computes (a shared system prompt alone
+is not reused: that would change the prefill's matrix shapes, and so its bits). When a second request comes
+while a lone one decodes, the lone row's cache is copied into a ``DynamicCache`` (its positions
+so far) and the two decode together on transformers' forward: batches of several rows compute
+with an attention mask and other matrix shapes, so their logits may differ from a lone run's in
+the last bits (docs/serve.md).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Batch", "TransformersStepper", "context_length"]
+__all__ = ["Batch", "LoopBatch", "TransformersStepper", "context_length"]
 
 
 @dataclass
@@ -63,10 +73,23 @@ def context_length(model, tokenizer=None) -> int:
     return 2048
 
 
-class TransformersStepper:
-    """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.serve.loader.load`)."""
+@dataclass
+class LoopBatch:
+    """A lone request decoding on the stepper's :class:`DecodeLoop`."""
 
-    def __init__(self, model) -> None:
+    loop: object
+    rows: int = 1
+    padded: bool = False
+
+
+class TransformersStepper:
+    """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.serve.loader.load`).
+
+    ``context``: the lone-request decode loop's KV cache in tokens (clamped to the model's
+    limit; its bytes, ``kv_bytes``, come on top of the budget); None: no loop, every request on
+    transformers' forward with a ``DynamicCache``."""
+
+    def __init__(self, model, context: int | None = None) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("encoder-decoder models are not served over HTTP (decoder-only models only)")
         self.model = model
@@ -76,9 +99,26 @@ class TransformersStepper:
         self._positions = "position_ids" in params
         self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         self.can_join = True
+        self.loop = None
+        self.reused = 0  # prompt tokens the last prefill took from the loop's cache
+        self._prompt_len = 0  # the prompt the loop's cache was last filled from
+        if context:
+            from zipmoe.runtime.serve.loop import DecodeLoop
+
+            self.loop = DecodeLoop(model, context=int(context), batch=1)
+        self.kv_bytes = self.loop.kv_bytes if self.loop is not None else None
+        # a lone row can join a batch when its static cache copies into a dynamic one
+        self._loop_joins = self.loop is not None and all(type(layer).__name__ == "StaticLayer" for layer in self.loop.cache.layers)
+
+    def fits_loop(self, tokens: int) -> bool:
+        """Whether a lone request of ``tokens`` (prompt + the most it may generate) fits the loop's cache."""
+        return self.loop is not None and tokens <= self.loop.context
 
     # ------------------------------------------------------------------ the four calls
-    def prefill(self, prompts: list[list[int]]) -> tuple[Batch, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], alone: bool = False):
+        self.reused = 0
+        if alone and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
+            return self._prefill_loop(prompts[0])
         from transformers import DynamicCache
 
         width = max(len(p) for p in prompts)
@@ -95,7 +135,9 @@ class TransformersStepper:
         self._check_cache(cache)
         return batch, logits
 
-    def step(self, batch: Batch, tokens: list[int]) -> torch.Tensor:
+    def step(self, batch, tokens: list[int]) -> torch.Tensor:
+        if isinstance(batch, LoopBatch):
+            return batch.loop.step(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=-1)
         positions = batch.positions.view(-1, 1)
@@ -103,9 +145,11 @@ class TransformersStepper:
         batch.positions = batch.positions + 1
         return logits
 
-    def select(self, batch: Batch, keep: list[int]) -> Batch:
+    def select(self, batch, keep: list[int]):
         if len(keep) == batch.rows:
             return batch
+        if isinstance(batch, LoopBatch):  # one row: it stays or the batch ends
+            return batch if keep == [0] else None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = batch.mask.index_select(0, idx)
         # columns of padding that no remaining row needs: cut them from the mask and the cache
@@ -118,7 +162,8 @@ class TransformersStepper:
                 layer.values = layer.values.index_select(0, idx)[..., cut:, :].contiguous()
         return Batch(batch.cache, mask[:, cut:].contiguous(), batch.positions.index_select(0, idx))
 
-    def join(self, running: Batch, new: Batch) -> Batch:
+    def join(self, running, new) -> Batch:
+        running, new = self._dynamic(running), self._dynamic(new)
         la, lb = running.mask.shape[1], new.mask.shape[1]
         width = max(la, lb)
         for a, b in zip(self._layers(running.cache), self._layers(new.cache)):
@@ -126,6 +171,36 @@ class TransformersStepper:
             a.values = torch.cat([_pad_left(a.values, width, -2), _pad_left(b.values, width, -2)], dim=0)
         mask = torch.cat([_pad_left(running.mask, width, -1), _pad_left(new.mask, width, -1)], dim=0)
         return Batch(running.cache, mask, torch.cat([running.positions, new.positions]))
+
+    # ------------------------------------------------------------------ the lone row
+    def _prefill_loop(self, ids: list[int]):
+        from zipmoe.runtime.serve.loop import common_prefix
+
+        loop = self.loop
+        held = loop.tokens[0]
+        # reuse the cache only for a prompt that extends the last one (a conversation's next
+        # turn: the whole previous prompt, then more); anything else starts from an empty cache
+        # and computes what a fresh `zipmoe chat` computes
+        extends = bool(held) and len(ids) > self._prompt_len and common_prefix(held, ids) >= self._prompt_len
+        logits = loop.prefill(torch.tensor([ids], dtype=torch.long), reuse=extends)
+        self._prompt_len = len(ids)
+        self.reused = loop.reused if extends else 0
+        self.can_join = self._loop_joins
+        return LoopBatch(loop), logits
+
+    def _dynamic(self, batch):
+        """``batch`` as a :class:`Batch` over a ``DynamicCache`` (a lone row's static cache copied:
+        the positions it holds)."""
+        if not isinstance(batch, LoopBatch):
+            return batch
+        from transformers import DynamicCache
+
+        loop, n = batch.loop, batch.loop.length
+        cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(loop.cache.layers):
+            cache.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        return Batch(cache, mask, loop._pos.reshape(-1) + 1)
 
     # ------------------------------------------------------------------ internals
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:

@@ -62,8 +62,8 @@ import torch
 from zipmoe.errors import UsageError
 from zipmoe.runtime.serve.hf_compat import cache_kw, crop
 
-__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "kv_cache_bytes", "loop_generate",
-           "model_max_context"]
+__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "kv_cache_bytes",
+           "loop_generate", "model_max_context"]
 
 DEFAULT_CONTEXT = 4096
 
@@ -295,7 +295,7 @@ class DecodeLoop:
             if padded or self.batch != 1:
                 raise UsageError("reusing the cache needs one row without padding")
             # a cache filled from a padded prompt is not reused (its positions are not 0..n-1)
-            keep = _common_prefix(self.tokens[0], ids[0].tolist()) if self._mask is None else 0
+            keep = common_prefix(self.tokens[0], ids[0].tolist()) if self._mask is None else 0
             keep = min(keep, n - 1)  # always compute at least the last token: its logits start the answer
         if n > self.context:
             raise ContextFull(f"the conversation is {n} tokens; the KV cache holds {self.context} "
@@ -514,7 +514,8 @@ def loop_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int,
     return torch.cat([ids.cpu(), new], dim=-1).to(ids.device)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
