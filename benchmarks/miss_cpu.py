@@ -10,7 +10,9 @@
    the main repository's venv before this branch is merged). Each engine runs in its own
    process, one after the other, same prompt and settings. Also printed: hits per state, MB
    read per token, prefetch precision / recall.
-2. Step time over ``--flat-tokens`` decode steps at the budget that holds ``--flat-fraction`` of
+2. Step time over ``--flat-tokens`` decode steps (conversations of 500 tokens on ten prompts,
+   one after another on one runtime: the expert cache carries over, the KV cache starts afresh,
+   so the first and the last steps attend over the same lengths) at the budget that holds ``--flat-fraction`` of
    the experts' bytes (pick it so that about 90% of the uses hit the full pool; the script prints
    the hit rate): the mean step time of the first and the last 500 steps, and the cache's
    structure size at the end (bounded by the number of tensors; with the old LFU heap it grew by
@@ -30,6 +32,12 @@ import sys
 import time
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+FLAT_CHUNK = 500
+FLAT_PROMPTS = [PROMPT, "Explain how a steam engine works, step by step.", "Describe a busy market in Marrakesh at dawn.",
+                "Write a letter from a sailor to his daughter.", "What should a beginner know about growing tomatoes?",
+                "Tell the history of the printing press.", "Write a detective story set on a night train.",
+                "Explain photosynthesis to a ten-year-old.", "Describe a chess game between two old friends.",
+                "Write a speech for the opening of a public library."]
 
 
 def measure(path: str, budget, tokens: int, prefetch: bool | None, flat: bool, readers: int | None = None) -> dict:
@@ -47,15 +55,23 @@ def measure(path: str, budget, tokens: int, prefetch: bool | None, flat: bool, r
     except TypeError:  # an older runtime without the keyword
         model, tok = zipmoe.load(path, budget=budget, workers=1)
     rt = model.zipmoe
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    clock = DecodeClock(rt.counters)
+    # the flat run: conversations of FLAT_CHUNK tokens one after another on one runtime (its
+    # expert cache carries over, the KV cache does not), so that the first and the last steps
+    # attend over the same lengths and only the cache's own cost can differ
+    chunks = [(PROMPT, tokens)] if not flat else [(FLAT_PROMPTS[i % len(FLAT_PROMPTS)], min(FLAT_CHUNK, tokens - i * FLAT_CHUNK))
+                                                  for i in range(-(-tokens // FLAT_CHUNK))]
+    steps, start = [], None
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens + 1,
-                       max_new_tokens=tokens + 1, streamer=clock, pad_token_id=tok.eos_token_id)
+    for prompt, n in chunks:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        clock = DecodeClock(rt.counters)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n + 1,
+                           max_new_tokens=n + 1, streamer=clock, pad_token_id=tok.eos_token_id)
+        steps.extend(clock.steps())
+        start = start if start is not None else clock.start
     wall = time.perf_counter() - t0
-    steps = clock.steps()
-    d = clock.delta()
+    d = delta(rt.counters.snapshot(), start)
     hits = d["hits"]
     total = sum(hits.values()) or 1
     out = {
