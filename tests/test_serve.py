@@ -159,17 +159,25 @@ def test_openai_client_models_chat_stream_completions_usage(server, mixtral):
     assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == 4
 
 
-def test_lone_greedy_answer_is_chat_json(server, mixtral, capsys):
-    prompt = "What is the capital of France?"
+def _chat_json(mixtral, capsys, tokens: int, *prompts: str) -> dict:
+    """`zipmoe chat --greedy --json` with these prompts as the turns of one conversation."""
+    args = ["chat", str(mixtral[1]), "--greedy", "--max-new-tokens", str(tokens), "--json", "--budget", "64M",
+            "--workers", "1", "--threads", "1"]
+    for p in prompts:
+        args += ["--prompt", p]
     try:
-        main(["chat", str(mixtral[1]), "--prompt", prompt, "--greedy", "--max-new-tokens", "12", "--json",
-              "--budget", "64M", "--workers", "1", "--threads", "1"])
+        main(args)
         code = 0
     except SystemExit as exc:
         code = exc.code or 0
     out = capsys.readouterr()
     assert code == 0, out.err
-    want = json.loads(out.out)
+    return json.loads(out.out)
+
+
+def test_lone_greedy_answer_is_chat_json(server, mixtral, capsys):
+    prompt = "What is the capital of France?"
+    want = _chat_json(mixtral, capsys, 12, prompt)
     got = _chat(server.client(), prompt, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
     assert got.choices[0].model_extra["token_ids"] == want["token_ids"]
     assert got.choices[0].message.content == want["text"]
@@ -187,15 +195,7 @@ def test_a_conversations_next_turn_reuses_the_kv_cache_as_chat_does(server, mixt
     KV cache: usage says how many prompt tokens were cached, and the tokens of both turns equal
     `zipmoe chat --greedy --json --prompt A --prompt B`'s (chat keeps its cache the same way)."""
     a, b = "Name a colour.", "And another one?"
-    try:
-        main(["chat", str(mixtral[1]), "--prompt", a, "--prompt", b, "--greedy", "--max-new-tokens", "8", "--json",
-              "--budget", "64M", "--workers", "1", "--threads", "1"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    want = json.loads(out.out)["turns"]
+    want = _chat_json(mixtral, capsys, 8, a, b)["turns"]
     client = server.client()
     history = [{"role": "user", "content": a}]
     one = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
