@@ -25,11 +25,11 @@ conversation's next turn, with the previous answer in it) keeps the longest comm
 the cache and the prompt and prefills only the rest, as chat's next turn does (``reused`` says
 how many prompt tokens came from the cache). Any other prompt is prefilled from an empty
 cache, so that it computes what a fresh ``zipmoe chat`` computes (a shared system prompt alone
-is not reused: that would change the prefill's matrix shapes, and so its bits). When a second request comes
-while a lone one decodes, the lone row's cache is copied into a ``DynamicCache`` (its positions
-so far) and the two decode together on transformers' forward: batches of several rows compute
-with an attention mask and other matrix shapes, so their logits may differ from a lone run's in
-the last bits (docs/serve.md).
+is not reused: that would change the prefill's matrix shapes, and so its bits). When a second
+request comes while a lone one decodes, the lone row's cache is copied into a ``DynamicCache``
+(its positions so far) and the two decode together on transformers' forward: batches of
+several rows compute with an attention mask and other matrix shapes, so their logits may differ
+from a lone run's in the last bits (docs/serve.md).
 """
 
 from __future__ import annotations
