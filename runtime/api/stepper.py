@@ -86,7 +86,7 @@ class TransformersStepper:
     """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.serve.loader.load`).
 
     ``context``: the lone-request decode loop's KV cache in tokens (clamped to the model's
-    limit; its bytes, ``kv_bytes``, come on top of the budget); None: no loop, every request on
+    limit; its bytes, ``loop.kv_bytes``, come on top of the budget); None: no loop, every request on
     transformers' forward with a ``DynamicCache``."""
 
     def __init__(self, model, context: int | None = None) -> None:
@@ -106,7 +106,6 @@ class TransformersStepper:
             from zipmoe.runtime.serve.loop import DecodeLoop
 
             self.loop = DecodeLoop(model, context=int(context), batch=1)
-        self.kv_bytes = self.loop.kv_bytes if self.loop is not None else None
         # a lone row can join a batch when its static cache copies into a dynamic one
         self._loop_joins = self.loop is not None and all(type(layer).__name__ == "StaticLayer" for layer in self.loop.cache.layers)
 

@@ -11,12 +11,12 @@ of g++ on two cores) is skipped.
 Where the parameters go (``zero_optimization.offload_param``):
 
 - ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``;
-  JIT-compiled once into ~/.cache/torch_extensions; bench builds it with :func:`build_ops` in a
+  JIT-compiled once into ~/.cache/torch_extensions; bench builds it with :func:`prepare` in a
   process of its own, outside every memory cgroup and under a time limit, before the worker
   starts: g++ inside the budgeted worker was killed by the cgroup, and a build killed while it
-  holds torch's extension lock leaves every later load waiting on that lock) swaps every parameter to a folder (the
-  engine's offload folder) and reads each module's parameters back into a pool of
-  ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count) and the
+  holds torch's extension lock leaves every later load waiting on that lock) swaps every
+  parameter to a folder (the engine's offload folder) and reads each module's parameters back
+  into a pool of ``buffer_count`` buffers just before it runs. The buffers (largest parameter × count) and the
   live parameters are sized from the budget (:func:`ds_config`); no parameter stays resident.
   Loading is not budgeted: ZeRO-3's ``from_pretrained`` (zero.Init) reads checkpoint shards into
   host memory while it partitions them into the swap folder, and the demo model at 400M and
@@ -161,6 +161,8 @@ def _remove_build_locks() -> list[str]:
     from pathlib import Path
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    # torch's rule (cpp_extension._get_build_directory, private): TORCH_EXTENSIONS_DIR/<op>, else
+    # ~/.cache/torch_extensions/<python and accelerator tag>/<op>
     roots = [Path(root)] if root else list((Path.home() / ".cache" / "torch_extensions").glob("*"))
     removed = []
     for base in roots:

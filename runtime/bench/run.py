@@ -152,8 +152,8 @@ START_ALLOWANCE = 4 << 30  # room for the imports before the worker measures its
 
 def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on_progress, timeout_s: float | None = None) -> dict:
     """Run one engine's worker process (inside a memory cgroup when possible); its JSON doc. A
-    worker still running after ``timeout_s`` is killed with its process group (compilers and
-    other children included) and reported as timed out, with the runs it finished."""
+    worker still running after ``timeout_s`` is killed with every process it started
+    (:func:`procs.kill_tree`) and reported as timed out, with the runs it finished."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -143,7 +143,10 @@ def measure_disk_readers(path, ranges: list[tuple[int, int]], readers: int, seco
                     off, ln = order.pop()
                     take.append((off, ln))
                     size += ln
-                jobs = [(buf, p) for off, ln in take for buf in [store.new_buffer(off, ln)] for p in store.pieces(off, ln)]
+                jobs = []  # (the extent's buffer, one piece of it)
+                for off, ln in take:
+                    buf = store.new_buffer(off, ln)
+                    jobs += [(buf, piece) for piece in store.pieces(off, ln)]
                 t0 = time.perf_counter()
                 done += sum(pool.map(lambda job: store.read_piece(job[0], *job[1])[0], jobs))
                 spent += time.perf_counter() - t0
