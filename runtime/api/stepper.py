@@ -199,7 +199,7 @@ class TransformersStepper:
         for i, layer in enumerate(loop.cache.layers):
             cache.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)
         mask = torch.ones((1, n), dtype=torch.long, device=self.device)
-        return Batch(cache, mask, loop._pos.reshape(-1) + 1)
+        return Batch(cache, mask, loop.next_positions)
 
     # ------------------------------------------------------------------ internals
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:

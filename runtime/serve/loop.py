@@ -195,6 +195,11 @@ class DecodeLoop:
         """Positions the cache holds (the same for every row)."""
         return len(self.tokens[0])
 
+    @property
+    def next_positions(self) -> torch.Tensor:
+        """``[batch]`` position id of each row's next token (after a prefill)."""
+        return self._pos.reshape(-1) + 1
+
     def reset(self) -> None:
         """Forget the cached positions (the tensors stay allocated)."""
         if self.length:
