@@ -23,8 +23,13 @@ Default split (no plan): when every expert fits as full bf16 tensors, everything
 2/3 of a full one and a decompression instead of a read). ``zipmoe plan`` computes better
 splits from traces and measured costs.
 
-On CUDA the full pool lives in GPU memory and the other pools in pinned host memory; the
-budget counts both.
+On CUDA the full pool lives in GPU memory and the other pools in host memory; the budget counts
+both, and counts device tensors as torch's caching allocator rounds them (512 bytes, 2 MiB above
+10 MiB: :func:`zipmoe.runtime.serve.staging.cuda_block_bytes`). Every copy to the device goes
+through the pinned staging ring (``window`` slots of the largest expert's staged bytes, page
+rounded, counted whole); the host pools stay pageable (their bytes are copied into the ring by
+the decode workers, which pass over them anyway), so pinning them would buy nothing.
+:meth:`Runtime.memory` puts the counted figure beside the allocator's own.
 """
 
 from __future__ import annotations
@@ -85,16 +90,35 @@ def read_plan(plan, container_id: str) -> dict:
     return {"pools": pools, "raw": plan}
 
 
-def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int, int]:
-    extra = 1 if cuda else 0  # on CUDA: + pinned host staging of the bf16 (or E+SM) bytes
-    per_expert = [sum(working_bytes_of(t) + extra * t.full_bytes for t in ts) for ts in expert_tensors.values()] or [0]
+def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int, int, int]:
+    """``(expert_working, scratch, staging slot bytes)``.
+
+    ``expert_working``: what one expert in flight holds at most. On the CPU: its tensors'
+    :func:`working_bytes_of`. On CUDA (serve/staging.py) the bf16 merge buffers are one device
+    buffer per expert, counted as the CUDA allocator rounds it, plus the expert's slot in the
+    pinned staging ring. ``scratch``: the workers' decode scratch and, on CUDA, the one device
+    buffer the staged bytes land in before the device merge (allocator-rounded) and the ring's
+    page rounding."""
+    from zipmoe.runtime.serve.staging import PAGE, CopyStream, cuda_block_bytes
+
+    inflight, slot = [0], 0
+    for ts in expert_tensors.values():
+        w = sum(working_bytes_of(t) for t in ts)
+        if cuda:
+            n = CopyStream.layout(ts)[1]
+            w += cuda_block_bytes(2 * n) - sum(t.full_bytes for t in ts)
+            slot = max(slot, 2 * n)
+        inflight.append(w)
     max_seg = max((s.numel for ts in expert_tensors.values() for t in ts for s in t.segments), default=0)
-    return max(per_expert), max(1, workers) * 2 * max_seg
+    scratch = max(1, workers) * 2 * max_seg
+    if cuda:
+        scratch += cuda_block_bytes(slot) + PAGE
+    return max(inflight) + slot, scratch, slot
 
 
 def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda: bool = False) -> dict:
     """See :func:`zipmoe.runtime.serve.loader.requirements`."""
-    expert_working, scratch = _sizes(expert_tensors, workers, cuda)
+    expert_working, scratch, _slot = _sizes(expert_tensors, workers, cuda)
     all_t = [t for ts in expert_tensors.values() for t in ts]
     full = sum(t.compute_bytes for t in all_t)
     window = max(1, workers) + 2
@@ -149,7 +173,8 @@ class Runtime:
         self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
         # working set: one expert in flight = its bf16 buffers + read buffers; plus the
         # exp (and sm, if not raw) decode scratch of each worker
-        self.expert_working, self.scratch_bytes = _sizes(expert_tensors, self.workers, self.device.type == "cuda")
+        self.expert_working, self.scratch_bytes, self.staging_slot_bytes = _sizes(
+            expert_tensors, self.workers, self.device.type == "cuda")
         self.min_budget = self.dense_bytes + self.scratch_bytes + self.expert_working
         if self.budget < self.min_budget:
             raise BudgetError(
@@ -190,21 +215,46 @@ class Runtime:
         self.cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
         if self.slots is not None:
             self.slots.attach(self.cache)
+        # on CUDA: the pinned staging ring, one slot per expert in flight (serve/staging.py)
+        self.staging = None
+        if self.device.type == "cuda":
+            from zipmoe.runtime.serve.staging import StagingRing
+
+            self.staging = StagingRing(self.window, self.staging_slot_bytes, pin=True)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
         self.scheduler = LayerScheduler(self, self.workers)
         # threads and file descriptors go when the model is garbage collected, if close() was not called
-        self._finalizer = weakref.finalize(self, _shutdown, self.scheduler.io, self.scheduler.pool, self.store)
+        self._finalizer = weakref.finalize(self, _shutdown, self.scheduler.io, self.scheduler.pool, self.store,
+                                           self.staging)
         self.counters.note_held(self.held_bytes())
 
     # ------------------------------------------------------------------ accounting
     def working_bytes(self, t) -> int:
-        return working_bytes_of(t) + (t.full_bytes if self.device.type == "cuda" else 0)
+        """A fetch's own working bytes (on CUDA its expert's device buffer and staging slot are
+        counted once per expert: the scheduler adds the first, the ring holds the second)."""
+        return working_bytes_of(t) - (t.full_bytes if self.device.type == "cuda" else 0)
 
     def held_bytes(self) -> int:
         pools = self.cache.used_bytes()
         if self.slots is not None:  # the arenas are allocated whole, used or not
             pools += self.slots.nbytes + self.slots.loose_bytes - self.cache.pools["full"].used
-        return self.dense_bytes + self.scratch_bytes + pools + self._inflight + self.store.buffers.idle_bytes
+        ring = 0 if self.staging is None else self.staging.nbytes
+        return self.dense_bytes + self.scratch_bytes + pools + ring + self._inflight + self.store.buffers.idle_bytes
+
+    def memory(self) -> dict:
+        """What the budget counts against what is really allocated: ``counted_bytes`` (held now,
+        allocator rounding included), ``peak_counted_bytes``; on CUDA the caching allocator's
+        ``device_allocated`` / ``device_reserved`` (every tensor of the process on that device,
+        the KV cache and activations included) and the pinned staging ring's bytes."""
+        out = {"budget": self.budget, "counted_bytes": self.held_bytes(),
+               "peak_counted_bytes": self.counters.peak_held_bytes}
+        if self.device.type == "cuda":
+            out["device_allocated"] = int(torch.cuda.memory_allocated(self.device))
+            out["device_reserved"] = int(torch.cuda.memory_reserved(self.device))
+        if self.staging is not None:
+            out["staging_ring_bytes"] = self.staging.nbytes
+            out["staging_pinned"] = self.staging.pinned
+        return out
 
     def _idle_room(self) -> int:
         """Read buffers may stay idle in what the window reserves and the experts in flight do not use."""
@@ -248,6 +298,9 @@ class Runtime:
             "cache_age_tokens": self.cache_age,
             "prefetch": self.prefetch and self.predictor is not None,
             "memory_limit": self.memory_limit,
+            "staging": None if self.staging is None else {
+                "slots": self.staging.slots, "slot_bytes": self.staging.slot_bytes, "bytes": self.staging.nbytes,
+                "pinned": self.staging.pinned, "pin_error": self.staging.pin_error},
         }
 
     # ------------------------------------------------------------------ tracing
@@ -319,8 +372,10 @@ class Runtime:
         self._finalizer()
 
 
-def _shutdown(io, pool, store) -> None:
+def _shutdown(io, pool, store, staging=None) -> None:
     io.shutdown()
     pool.shutdown()
     store.close()
+    if staging is not None:
+        staging.close()
 

@@ -25,7 +25,9 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``layer_calls``: sparse-layer calls (one per sparse layer per forward)
 * ``time_s``: seconds spent per stage, summed over the threads that did it: ``read`` (I/O
   thread), ``decode`` (decompression, workers), ``merge`` (E+SM -> bf16), ``compute`` (expert
-  forward, serving thread), ``wait`` (serving thread blocked on the pipeline), ``admit``
+  forward, serving thread), ``stage`` (serving thread queueing a decoded expert's copy to the
+  device, and its device merge, on the copy stream: ``serve/staging.py``), ``wait`` (serving
+  thread blocked on the pipeline), ``admit``
   (serving thread placing fetched tensors in the cache pools, copies included)
 * ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
   the wall time from the router's choice to the layer's output
@@ -39,6 +41,9 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``prefetch``: expert fetches ``issued`` on a prediction, ``used`` (the layer chose them),
   ``dropped`` (it did not: read for nothing) and ``failed`` (a dropped one whose bytes were bad:
   never raised, the layer did not need it)
+* ``staging_waits``: times the serving thread waited for a copy to the device to finish before
+  it could reuse that staging slot (CUDA; ``serve/staging.py``): 0 when the ring never runs
+  ahead of the copy stream
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from zipmoe.runtime.serve.states import STATES
 
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
-STAGES = ("read", "decode", "merge", "compute", "wait", "admit")
+STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit")
 
 
 class Counters:
@@ -76,6 +81,7 @@ class Counters:
         self.checksum_failures = 0
         self.prediction_by_layer: dict[str, list] = {}
         self.prefetch = {"issued": 0, "used": 0, "dropped": 0, "failed": 0}
+        self.staging_waits = 0
 
     # --- updates (thread-safe where called from several threads)
     def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
@@ -153,6 +159,7 @@ class Counters:
                 "checksum_failures": self.checksum_failures,
                 "prediction_by_layer": copy.deepcopy(self.prediction_by_layer),
                 "prefetch": dict(self.prefetch),
+                "staging_waits": self.staging_waits,
             }
 
 

@@ -1,5 +1,6 @@
-"""The serving thread's end of a fetch: copy (or merge, with the Triton kernel) the staged bytes to
-the device, the weights in the compute dtype, and offering the tensor's forms to the cache; and
+"""The serving thread's end of a fetch: stage a finished expert's bytes to the device (one copy and,
+with the Triton kernel, one merge, on the copy stream: :mod:`.staging`), the weights in the
+compute dtype, and offering the tensor's forms to the cache; and
 :func:`demote`, the cache's cascade of those forms. A mixin of
 :class:`zipmoe.runtime.serve.scheduler.LayerScheduler`."""
 
@@ -9,31 +10,38 @@ import time
 
 import numpy as np
 
-__all__ = ["DeviceSide", "demote"]
+__all__ = ["DeviceSide", "demote", "own_device"]
 
 
 class DeviceSide:
-    """Serving-thread steps of :class:`LayerScheduler` (uses its ``rt``, ``device`` and
-    ``device_merge``)."""
+    """Serving-thread steps of :class:`LayerScheduler` (uses its ``rt``, ``device``, ``cuda``,
+    ``device_merge`` and ``copies``, a :class:`zipmoe.runtime.serve.staging.CopyStream`)."""
 
-    def _to_device(self, fl) -> None:
-        for f in fl:
-            if f is None:
-                continue
-            t0 = time.perf_counter()
-            if self.device_merge:
-                from zipmoe import kernels
+    def _stage_group(self, g) -> None:
+        """Every fetch of ``g`` is decoded into its staging slot: queue the slot's copy (and the
+        device merge) on the copy stream, give the slot back with the copy's event."""
+        if g.slot is None:
+            return
+        t0 = time.perf_counter()
+        ring = self.copies.ring
+        ev = self.copies.stage(g.slot, g.n, g.dev)
+        ring.release(g.slot, ev)
+        g.slot = None
+        g.event = ev
+        self.rt.counters.add_time("stage", time.perf_counter() - t0)
 
-                # copy from the pinned torch tensors themselves (not numpy views) so that the
-                # host allocator keeps them alive until the asynchronous copies are done
-                exp_d = f.pinned[0].to(self.device, non_blocking=True)
-                sm_d = f.pinned[1].to(self.device, non_blocking=True)
-                kernels.merge(exp_d, sm_d, f.out.view(-1))
-                f.pinned = f.exp_host = f.sm_host = None
-                self.rt.counters.add_time("merge", time.perf_counter() - t0)
-            else:
-                f.out.copy_(f.host, non_blocking=False)
-                f.host = None
+    def _to_device(self, g) -> None:
+        """Before ``g``'s expert computes: the compute stream waits for its copy (on the device,
+        not the host); its buffer is marked as used by that stream for the allocator."""
+        if g.slot is not None:  # not staged yet (it is, as soon as its last fetch reports)
+            self._stage_group(g)
+        if g.event is not None:
+            import torch
+
+            s = torch.cuda.current_stream(self.device)
+            s.wait_event(g.event)
+            g.dev.record_stream(s)
+            g.event = None
 
     def _finish(self, fl) -> None:
         """The weights the expert computes with: the merged bf16 tensor, or its conversion
@@ -51,7 +59,7 @@ class DeviceSide:
             if f is None:
                 continue
             t = f.tensor
-            forms = {"full": (t.compute_bytes, f.w)}
+            forms = {"full": (t.compute_bytes, f.w if self.rt.slots is not None else own_device(f.w))}
             if f.e_parts is not None and f.sm_parts is not None:
                 e_parts, sm_parts = f.e_parts, f.sm_parts
                 forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
@@ -70,6 +78,14 @@ def demote(pool_name: str, data):
         return None
     e_parts, sm_parts = data
     return {"sm_only": (sum(p.nbytes for p in sm_parts), sm_parts), "e_only": (sum(p.nbytes for p in e_parts), e_parts)}
+
+
+def own_device(w):
+    """``w`` itself, or a copy when it is a view into a larger buffer (a fetch group's device
+    buffer): what a pool keeps must not hold the rest of that buffer alive."""
+    if w.untyped_storage().nbytes() > w.numel() * w.element_size():
+        return w.clone()
+    return w
 
 
 def _own(parts: list) -> list:

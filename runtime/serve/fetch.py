@@ -89,7 +89,7 @@ class _Group:
     """The fetches of one expert: one window slot, its working bytes, done when all report."""
 
     __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
-                 "dropped", "released")
+                 "dropped", "released", "slot", "n", "dev", "event")
 
     def __init__(self, layer, expert, prefetch: bool) -> None:
         self.layer = layer
@@ -102,6 +102,12 @@ class _Group:
         self.errors: list = []
         self.dropped = False
         self.released = False
+        # the device side (serve/staging.py): its staging ring slot until staged, the elements of
+        # its buffers, its device buffer (the tensors' ``out`` are views of it), the copy's event
+        self.slot = None
+        self.n = 0
+        self.dev = None
+        self.event = None
 
 
 PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues

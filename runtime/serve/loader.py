@@ -294,6 +294,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         if tuple(entry.shape) != tuple(target.shape):  # before anything is decoded
             raise ModelError(f"tensor {entry.name} has shape {list(entry.shape)}; the model expects {list(target.shape)}")
         to_load.append((entry, key, target))
+    from zipmoe.runtime.serve.staging import cuda_block_bytes
+
     dense_bytes = 0
     seen = set()
     for entry, key, target in to_load:
@@ -301,7 +303,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         if any(k in key for k in keep32) and dtype.is_floating_point:
             dtype = torch.float32
         if key not in seen:
-            dense_bytes += target.numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = target.numel() * torch.empty((), dtype=dtype).element_size()
+            dense_bytes += cuda_block_bytes(nbytes) if dev.type == "cuda" else nbytes  # as allocated
             seen.add(key)
 
     # --- expert tensors and the budget check, before decoding anything large

@@ -55,6 +55,7 @@ from zipmoe.runtime.serve.decode_jobs import DecodeJobs
 from zipmoe.runtime.serve.device_side import DeviceSide
 from zipmoe.runtime.serve.fetch import PREFETCH_RANK, _Cancelled, _Fetch, _Group, _reads_of, expert_type, issue_order
 from zipmoe.runtime.serve.read_jobs import ReadJobs
+from zipmoe.runtime.serve.staging import CopyStream, StagingRing, cuda_block_bytes
 from zipmoe.runtime.serve.workers import PriorityWorkers, _one_line
 
 __all__ = ["LayerScheduler"]
@@ -84,6 +85,19 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
                 self.device_merge = bool(getattr(kernels, "triton_available", lambda: False)()) and hasattr(kernels, "merge")
             except Exception:  # pragma: no cover - depends on the install
                 self.device_merge = False
+        self._copies = None
+
+    @property
+    def copies(self) -> CopyStream:
+        """The staging ring and copy stream (made at first use: a test may force the CUDA paths
+        on the CPU after load, where the runtime made none)."""
+        if self._copies is None or self._copies.device_merge != self.device_merge:
+            ring = getattr(self.rt, "staging", None)
+            if ring is None:
+                slot = max(2 * CopyStream.layout([t for t in ts])[1] for ts in self.rt.expert_tensors.values())
+                ring = StagingRing(self.rt.window, slot, pin=False)
+            self._copies = CopyStream(self.device, ring, self.device_merge)
+        return self._copies
 
     def close(self) -> None:
         self.io.shutdown()
@@ -172,23 +186,34 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
             f.done = self._put
             g.fetches.append(f)
         into[key] = g
+        fl = [f for f in g.fetches if f is not None]
+        if self.cuda:
+            # one staging slot, one device buffer for the whole expert (serve/staging.py)
+            cs = self.copies
+            offs, g.n = cs.layout([f.tensor for f in fl])
+            need += cuda_block_bytes(2 * g.n) if self.device.type == "cuda" else 2 * g.n
         rt.hold(need)
         g.reserved = need
         self._slots += 1
-        for f in g.fetches:
-            if f is None:
-                continue
-            t = f.tensor
-            f.out = torch.empty(t.shape, dtype=torch.bfloat16, device=rt.device)
-            if self.cuda:
-                pin = self.device.type == "cuda"  # (False only when a test forces this path on the CPU)
+        if self.cuda:
+            ring = cs.ring
+            waits = ring.waits
+            g.slot = ring.acquire()
+            rt.counters.staging_waits += ring.waits - waits
+            g.dev = cs.alloc_out(g.n)
+            host = ring.view(g.slot, 2 * g.n)
+            n = g.n
+            for f, o in zip(fl, offs):
+                t = f.tensor
+                f.out = g.dev[o : o + t.numel].view(t.shape)
                 if self.device_merge:
-                    f.pinned = (torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin),
-                                torch.empty(t.numel, dtype=torch.uint8, pin_memory=pin))
-                    f.exp_host = f.pinned[0].numpy()
-                    f.sm_host = f.pinned[1].numpy()
+                    f.exp_host = host[o : o + t.numel].numpy()
+                    f.sm_host = host[n + o : n + o + t.numel].numpy()
                 else:
-                    f.host = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin)
+                    f.host = host[2 * o : 2 * (o + t.numel)].view(torch.bfloat16).view(t.shape)
+        else:
+            for f in fl:
+                f.out = torch.empty(f.tensor.shape, dtype=torch.bfloat16, device=rt.device)
         for f in g.fetches:
             if f is None:
                 continue
@@ -211,6 +236,9 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
             g.errors.append(exc)
         if g.remaining:
             return
+        if self.cuda and not g.errors and not g.dropped and \
+                not any(x is not None and x.cancelled for x in g.fetches):
+            self._stage_group(g)  # its copy starts now, while the serving thread goes on
         if g.dropped:
             if g.errors:
                 self.rt.counters.add_prefetch("failed")
@@ -223,6 +251,10 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
         if g.released:
             return
         g.released = True
+        if g.slot is not None:  # never staged (an error, a drop): nothing reads the slot
+            self.copies.ring.release(g.slot)
+            g.slot = None
+        g.dev = None
         self.rt.release(g.reserved)
         self._slots -= 1
         bufs = [b for f in g.fetches if f is not None for b in f.bufs]
@@ -329,7 +361,7 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
                 if not errors:
                     fl = g.fetches
                     if self.cuda:
-                        self._to_device(fl)
+                        self._to_device(g)
                     self._finish(fl)
                     t0 = time.perf_counter()
                     compute(e, weights_of(e))

@@ -43,7 +43,13 @@ class SlotArena:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Its bytes as allocated (on CUDA, as the caching allocator rounds them)."""
+        n = self.data.numel() * self.data.element_size()
+        if self.data.device.type == "cuda":
+            from zipmoe.runtime.serve.staging import cuda_block_bytes
+
+            n = cuda_block_bytes(n)
+        return n
 
 
 class SlotMap:
@@ -69,6 +75,8 @@ class SlotMap:
                 count[key] = count.get(key, 0) + 1
                 size[key] = t.numel * itemsize
         total = sum(count[k] * size[k] for k in count)
+        if self.device.type == "cuda":  # each arena is one allocation, rounded up to 2 MiB
+            capacity -= len(count) * (2 << 20)
         self.arenas: dict[tuple, SlotArena] = {}
         for key in sorted(count):
             if capacity >= total:
@@ -117,6 +125,9 @@ class SlotMap:
             if victim is not None:
                 self.cache.drop(victim)  # calls release(victim): its slot is free now
         if not arena.free:
+            from zipmoe.runtime.serve.device_side import own_device
+
+            data = own_device(data)
             self.loose_bytes += data.numel() * data.element_size()
             return data
         slot = arena.free.pop()

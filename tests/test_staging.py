@@ -1,0 +1,148 @@
+"""The device side of a fetch (runtime/serve/staging.py): the pinned staging ring, the copy
+stream, the allocator rounding the budget counts; and the forced CUDA paths on the CPU, with a
+ring smaller than the work so that its slots are reused. The reference of the logits checks is
+transformers computing the same checkpoint with eager experts (test_runtime_fixtures.reference)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import zipmoe
+from zipmoe.runtime.serve.device_side import own_device
+from zipmoe.runtime.serve.loader import requirements
+from zipmoe.runtime.serve.staging import PAGE, CopyStream, StagingRing, cuda_block_bytes
+
+from test_runtime_fixtures import container, inputs, reference
+
+
+def test_cuda_block_bytes_rounds_as_the_caching_allocator():
+    assert cuda_block_bytes(1) == 512
+    assert cuda_block_bytes(512) == 512
+    assert cuda_block_bytes(513) == 1024
+    assert cuda_block_bytes(10 << 20) == 10 << 20  # split from a shared segment: 512-byte rounding
+    assert cuda_block_bytes((10 << 20) + 1) == 12 << 20  # a block of its own: 2 MiB rounding
+    assert cuda_block_bytes(17_301_504) == 18 << 20  # a qwen1.5-moe expert's bf16 bytes
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+        self.synced = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synced += 1
+        self.done = True
+
+
+def test_ring_reuses_its_slots_and_waits_only_for_a_copy_not_yet_run():
+    ring = StagingRing(2, 1000, pin=False)
+    assert ring.slot_bytes == 1024 and ring.nbytes == -(-2048 // PAGE) * PAGE
+    a, b = ring.acquire(), ring.acquire()
+    assert {a, b} == {0, 1} and not ring.free
+    ring.view(a, 10)[:] = 7
+    assert int(ring.view(a, 10).sum()) == 70 and ring.view(b, 1024).numel() == 1024
+    ran, pending = _Event(True), _Event(False)
+    ring.release(a, ran)
+    ring.release(b, pending)
+    assert ring.acquire() == a and ring.waits == 0 and ran.synced == 0  # its copy already ran
+    assert ring.acquire() == b and ring.waits == 1 and pending.synced == 1  # waited for its copy
+    ring.release(a)
+    ring.release(b)
+    assert len(ring.free) == 2
+
+
+def test_copy_stream_merges_a_whole_expert_in_one_go_on_the_cpu():
+    from zipmoe.kernels import split
+
+    class T:
+        def __init__(self, numel):
+            self.numel = numel
+
+    ts = [T(100), T(37), T(64)]
+    offs, n = CopyStream.layout(ts)
+    assert offs == [0, 128, 192] and n == 256  # each part 64-element aligned
+    ring = StagingRing(1, 2 * n, pin=False)
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(t.numel, generator=g).to(torch.bfloat16) for t in ts]
+    for device_merge in (True, False):
+        cs = CopyStream("cpu", ring, device_merge)
+        slot = ring.acquire()
+        host = ring.view(slot, 2 * n)
+        for w, o in zip(want, offs):
+            if device_merge:
+                e = np.empty(w.numel(), np.uint8)
+                s = np.empty(w.numel(), np.uint8)
+                split(w.view(torch.int16).numpy().view(np.uint16), e, s)
+                host[o : o + w.numel()] = torch.from_numpy(e)
+                host[n + o : n + o + w.numel()] = torch.from_numpy(s)
+            else:
+                host[2 * o : 2 * (o + w.numel())].view(torch.bfloat16)[:] = w
+        out = cs.alloc_out(n)
+        assert cs.stage(slot, n, out) is None  # synchronous on the CPU
+        ring.release(slot)
+        for w, o in zip(want, offs):
+            assert torch.equal(out[o : o + w.numel()].view(torch.int16), w.view(torch.int16))
+
+
+def test_a_view_of_a_group_buffer_is_copied_before_a_pool_keeps_it():
+    buf = torch.arange(10, dtype=torch.float32)
+    v = buf[2:5]
+    kept = own_device(v)
+    assert torch.equal(kept, v) and kept.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    whole = torch.arange(4, dtype=torch.float32)
+    assert own_device(whole) is whole
+
+
+@pytest.mark.parametrize("device_merge", [True, False])
+def test_forced_device_paths_with_a_small_ring_are_bit_identical(tmp_path_factory, device_merge):
+    """Budget at the minimum: a window of one expert, so every fetch reuses the one staging
+    slot; prefetch on, so prefetched groups are staged (and dropped) too."""
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["min_budget"] + 4096, workers=2, prefetch=True)
+    rt = model.zipmoe
+    assert rt.window == 1
+    rt.scheduler.cuda = True
+    rt.scheduler.device_merge = device_merge
+    ref = reference(src)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    for seed in range(2):
+        batch = inputs(vocab, False, batch=2, seed=seed)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    ring = rt.scheduler.copies.ring
+    assert ring.slots == 1 and len(ring.free) == 1  # every slot back in the ring
+    assert rt.counters.hits["none"] > 0 and rt._inflight == 0
+    rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_ring_is_pinned_and_counted(tmp_path_factory):
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=2, device="cuda")
+    budget = req["budget_for"](0.3)
+    model, _ = zipmoe.load(path, budget=budget, device="cuda", workers=2)
+    rt = model.zipmoe
+    ring = rt.staging
+    assert ring is not None and ring.pinned, ring.pin_error
+    assert ring.slots == rt.window and ring.nbytes % PAGE == 0
+    ref = reference(src, "cuda")
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    for seed in range(3):
+        batch = inputs(vocab, False, "cuda", batch=4, seed=seed)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    mem = rt.memory()
+    assert mem["counted_bytes"] <= budget and mem["peak_counted_bytes"] <= budget
+    assert mem["device_allocated"] > 0 and mem["staging_ring_bytes"] == ring.nbytes and mem["staging_pinned"]
+    assert len(ring.free) == ring.slots and rt._inflight == 0
+    assert rt.describe()["staging"]["pinned"]
+    rt.close()
