@@ -261,7 +261,8 @@ def test_paper_tables_cells_say_why(tmp_path):
     assert t["e2e"]["new_tokens"] == [4, 8]
     abl = {r["variant"]: r for r in t["ablation"]["rows"]}
     assert t["ablation"]["rows"][0]["variant"] == "basic"
-    assert abl["+planning"]["tpot_s"]["value"] == pytest.approx(0.1) and abl["+pools"]["tpot_s"]["text"] == "not measured"
+    assert abl["+prefetch"]["tpot_s"]["value"] == pytest.approx(0.1) and abl["+pools"]["tpot_s"]["text"] == "not measured"
+    assert abl["+planning"]["tpot_s"]["text"] == "not measured"  # zipmoe-noprefetch was not run
     agr = {r["engine"]: r for r in t["agreement"]["rows"]}
     assert agr["llama.cpp"]["agreement"] == pytest.approx(0.5) and agr["llama.cpp"]["first_difference_at"] == 2
     assert agr["deepspeed"]["agreement"] == 1.0
@@ -278,11 +279,15 @@ def test_paper_tables_cells_say_why(tmp_path):
 
 def test_paper_ablation_speedup():
     doc, M = _doc()
-    doc["summary"] = report.summarize([_run("zipmoe", M, 0.1, n=8), _run("zipmoe-basic", M, 0.4, n=8), _run("zipmoe-pools", M, 0.2, n=8)], None)
-    abl = {r["variant"]: r for r in tables.build(doc)["tables"]["ablation"]["rows"]}
+    doc["summary"] = report.summarize([_run("zipmoe", M, 0.1, n=8), _run("zipmoe-basic", M, 0.4, n=8), _run("zipmoe-pools", M, 0.2, n=8),
+                                       _run("zipmoe-noprefetch", M, 0.16, n=8)], None)
+    rows = tables.build(doc)["tables"]["ablation"]["rows"]
+    assert [r["variant"] for r in rows] == ["basic", "+pools", "+planning", "+prefetch"]
+    abl = {r["variant"]: r for r in rows}
     assert abl["basic"]["speedup_over_basic"] == pytest.approx(1.0)
     assert abl["+pools"]["speedup_over_basic"] == pytest.approx(2.0)
-    assert abl["+planning"]["speedup_over_basic"] == pytest.approx(4.0)
+    assert abl["+planning"]["speedup_over_basic"] == pytest.approx(2.5)
+    assert abl["+prefetch"]["speedup_over_basic"] == pytest.approx(4.0)
 
 
 def test_llamacpp_tokens_are_a_figure_not_a_check():

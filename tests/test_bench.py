@@ -73,6 +73,19 @@ def test_summary_and_ratios_against_each_baseline():
     assert all(x["engine"] in bench_report.ZIPMOE_ENGINES for x in rats.values())
 
 
+def test_summary_shows_the_counted_peak_beside_the_gpu_peak():
+    G = 1 << 30
+    a, b = _run("zipmoe", G, 0.1), _run("zipmoe", G, 0.1)
+    a["memory"] = {"peak_counted_bytes": 900 << 20, "counted_bytes": 800 << 20}
+    b["memory"] = {"peak_counted_bytes": 950 << 20, "counted_bytes": 800 << 20}
+    a["cuda_peak_bytes"], b["cuda_peak_bytes"] = 700 << 20, 1000 << 20
+    row = bench_report.summarize([a, b, _run("accelerate", G, 1.0)], disk_bw=None)
+    z = next(r for r in row if r["engine"] == "zipmoe")
+    assert z["peak_counted_bytes"] == 950 << 20 and z["cuda_peak_bytes"] == 1000 << 20
+    assert bench_report._fmt_held(z) == "950 M · 1000 M"
+    assert bench_report._fmt_held(next(r for r in row if r["engine"] == "accelerate")) == "–"
+
+
 def test_token_check_common_prefix_and_mismatch():
     same = [_run("resident", None, 0.1, tokens=[[1, 2, 3, 4, 5]]), _run("accelerate", 1, 1.0, gen=2, tokens=[[1, 2]]),
             _run("zipmoe", 1, 0.1, tokens=[[1, 2, 3, 4, 5]])]
@@ -143,6 +156,23 @@ def test_parse_lists_and_engines():
     assert p["container_id"] == "abc" and p["pools"]["compressed"] == 0 and p["pools"]["full"] > 0
     assert bench_engines.engine_plan("zipmoe-pools", "plan.json") is None
     assert bench_engines.engine_plan("zipmoe", "plan.json") == "plan.json"
+    assert bench_engines.engine_plan("zipmoe-noprefetch", "plan.json") == "plan.json"
+
+
+def test_noprefetch_engine_loads_the_plan_without_prefetch(monkeypatch):
+    """The +prefetch ablation's baseline: the same plan, prefetch=False; zipmoe leaves the default."""
+    from zipmoe.runtime.serve import loader
+
+    seen = []
+
+    def fake_load(path, budget, device, plan=None, **kw):
+        seen.append((plan, kw.get("prefetch", "default")))
+        return object(), None
+
+    monkeypatch.setattr(loader, "load", fake_load)
+    for name in ("zipmoe-noprefetch", "zipmoe"):
+        bench_engines.load_engine({"engine": name, "device": "cpu", "budget": 1 << 30, "container": "m.zmoe", "plan": "p.json"})
+    assert seen == [("p.json", False), ("p.json", "default")]
 
 
 def test_missing_accelerate_names_the_extra(monkeypatch):

@@ -94,7 +94,7 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the summary here (kept when something fails)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of time per output token by budget (needs matplotlib: zipmoe[bench])."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident, deepspeed, llama.cpp, moe-infinity."),
+    engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-noprefetch, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident, deepspeed, llama.cpp, moe-infinity."),
     ablations: bool = typer.Option(False, "--ablations", help="Also run zipmoe-basic (basic eviction only) and zipmoe-pools (heterogeneous pools, no plan)."),
     raw_container: Optional[Path] = typer.Option(None, "--raw-container", help="An existing codec-raw .zmoe for 'uncompressed' (else packed from the source once)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),

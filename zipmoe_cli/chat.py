@@ -78,7 +78,21 @@ def _cumulative(model) -> str:
             + ", ".join(f"{k} {v} ({v / total:.0%})" for k, v in h.items())
             + f"; stage seconds read {t['read']:.2f}, decode {t['decode']:.2f}, merge {t['merge']:.2f}, "
               f"compute {t['compute']:.2f}, wait {t['wait']:.2f}; peak held {format_size(c['peak_held_bytes'])} "
-              f"of {format_size(rt.budget)}{_fallback(rt, c)}\npools: {pool_s}")
+              f"of {format_size(rt.budget)}{_fallback(rt, c)}{_allocated(rt)}\npools: {pool_s}")
+
+
+def _allocated(rt) -> str:
+    """What the budget counts beside what the allocators really hold (CUDA)."""
+    from zipmoe.units import format_size
+
+    m = rt.memory() if hasattr(rt, "memory") else {}
+    if "device_allocated" not in m:
+        return ""
+    ring = m.get("staging_ring_bytes")
+    return (f"\nmemory: counted {format_size(m['counted_bytes'])} (allocator rounding included); GPU allocated "
+            f"{format_size(m['device_allocated'])}, reserved {format_size(m['device_reserved'])} (KV cache and "
+            f"activations included)" + (f"; staging ring {format_size(ring)}"
+                                        f"{' pinned' if m.get('staging_pinned') else ' NOT pinned'}" if ring else ""))
 
 
 def _fallback(rt, c: dict) -> str:

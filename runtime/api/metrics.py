@@ -116,6 +116,14 @@ class RuntimeCollector:
         yield _gauge("zipmoe_held_bytes", "Weight bytes held now: dense, cache pools, in flight.", rt.held_bytes())
         yield _gauge("zipmoe_peak_held_bytes", "The most weight bytes held at once since load.",
                      c["peak_held_bytes"])
+        mem = rt.memory() if hasattr(rt, "memory") else {}
+        if "device_allocated" in mem:
+            yield _gauge("zipmoe_device_allocated_bytes", "GPU bytes torch's caching allocator has handed out "
+                         "(every tensor: weights, KV cache, activations).", mem["device_allocated"])
+            yield _gauge("zipmoe_device_reserved_bytes", "GPU bytes torch's caching allocator holds.", mem["device_reserved"])
+        if mem.get("staging_ring_bytes"):
+            yield _gauge("zipmoe_staging_ring_bytes", "Pinned host staging ring for copies to the device.",
+                         mem["staging_ring_bytes"])
         pools = GaugeMetricFamily("zipmoe_cache_pool_bytes", "Cache pool capacity and use.", labels=["pool", "kind"])
         for name, p in rt.cache.summary().items():
             pools.add_metric([name, "capacity"], p["capacity"])

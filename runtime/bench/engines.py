@@ -4,6 +4,7 @@
 |---|---|---|
 | ``zipmoe`` | the runtime with its plan (+planning) | ``zipmoe.load(container, budget, device, plan=plan.json)`` |
 | ``zipmoe-pools`` | ablation: heterogeneous pools, default split, no plan | ``zipmoe.load(container, budget, device, plan=None)`` |
+| ``zipmoe-noprefetch`` | ablation: the plan, no prefetch across layers | ``zipmoe.load(container, budget, device, plan=PLAN, prefetch=False)`` |
 | ``zipmoe-basic`` | ablation: basic eviction only (one pool of full tensors) | ``zipmoe.load(..., plan={"pools": {"full": ...}})`` |
 | ``uncompressed`` | the runtime on a container written with codec ``raw``, full-tensor pool | ``zipmoe.load(raw_container, budget, device, plan={"pools": {"full": ...}})`` |
 | ``accelerate`` | Hugging Face disk offload of the same model | ``from_pretrained(source, device_map="auto", max_memory=..., offload_folder=...)`` |
@@ -42,6 +43,7 @@ ENGINES: dict[str, EngineSpec] = {
         EngineSpec("zipmoe", "zipmoe", "container", True, None, "zipmoe runtime with plan (+planning)"),
         EngineSpec("zipmoe-pools", "zipmoe", "container", True, None, "ablation: heterogeneous pools, default split, no plan"),
         EngineSpec("zipmoe-basic", "zipmoe", "container", True, None, "ablation: basic eviction only (full-tensor pool)"),
+        EngineSpec("zipmoe-noprefetch", "zipmoe", "container", True, None, "ablation: the plan without prefetch across layers"),
         EngineSpec("uncompressed", "zipmoe", "raw_container", True, None, "zipmoe runtime on a codec-raw container (no compression)"),
         EngineSpec("accelerate", "hf", "source", True, "bench", "transformers + accelerate disk offload (device_map=auto, max_memory, offload_folder)"),
         EngineSpec("resident", "hf", "source", False, None, "transformers, every weight in memory (no budget)"),
@@ -53,7 +55,7 @@ ENGINES: dict[str, EngineSpec] = {
 BASELINES = ("accelerate", "uncompressed", "resident", "deepspeed", "llama.cpp", "moe-infinity")
 # engines whose code lives in their own module (runtime/bench/<module>.py: before_load, load)
 ENGINE_MODULES = {"deepspeed": "deepspeed_engine", "llama.cpp": "llamacpp_engine", "moe-infinity": "moe_infinity_engine"}
-ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe")
+ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe-noprefetch", "zipmoe")
 
 # The plan each zipmoe engine passes to zipmoe.load (a dict is accepted like plan.json; the
 # runtime scales pools larger than what the budget leaves down to it, keeping their shape).
@@ -62,6 +64,7 @@ ENGINE_PLAN: dict[str, str] = {
     "zipmoe": "user",  # --plan plan.json (or the runtime's default split when none is given)
     "zipmoe-pools": "default",  # the runtime's default heterogeneous split
     "zipmoe-basic": "full_only",  # basic eviction only: one pool of full bf16 tensors
+    "zipmoe-noprefetch": "user",  # the plan, prefetch across layers off
     "uncompressed": "full_only",  # codec raw: a "compressed" entry would be as large as a full one
 }
 # Options zipmoe.load must accept for the bench (beyond path, budget, device, plan).
@@ -211,6 +214,8 @@ def load_engine(spec: dict):
             # the engine runs in bench's own cgroup, whose limit bench sizes (budget + what the
             # process needs + a margin) and whose OOM kills it reports: not a user's limit to refuse
             kwargs["force"] = True
+        if name == "zipmoe-noprefetch":
+            kwargs["prefetch"] = False
         if spec.get("trace") and name == "zipmoe":
             kwargs["trace"] = spec["trace"]  # activation trace for `zipmoe plan --trace`
         path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]

@@ -26,9 +26,9 @@ from collections import defaultdict
 from zipmoe.errors import UsageError
 from zipmoe.runtime.serve.states import STATES
 
-ZIPMOE_ENGINES = ("zipmoe", "zipmoe-pools", "zipmoe-basic")
+ZIPMOE_ENGINES = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic")
 BASELINE_ORDER = ("accelerate", "uncompressed", "resident", "deepspeed", "llama.cpp", "moe-infinity")
-ENGINE_ORDER = ("zipmoe", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
+ENGINE_ORDER = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
 # engines computing with other kernels: their tokens agreeing is a figure (tables.token_agreement), not part of the check
 AGREEMENT_ONLY = ("llama.cpp",)
 
@@ -108,6 +108,11 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         for m in METRICS:
             row[m] = stats(r.get(m) for r in rs)
         row["hits"] = _hits(rs)
+        # the budget's own count (allocator rounding included) beside the GPU allocator's peak
+        held = [r["memory"]["peak_counted_bytes"] for r in rs if isinstance(r.get("memory"), dict)]
+        gpu = [r["cuda_peak_bytes"] for r in rs if r.get("cuda_peak_bytes")]
+        row["peak_counted_bytes"] = max(held) if held else None
+        row["cuda_peak_bytes"] = max(gpu) if gpu else None
         rows.append(row)
     rows.sort(key=lambda r: (r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
     return rows
@@ -222,6 +227,14 @@ def _fmt_budget(b) -> str:
 COMPACT = ("engine", "budget", "batch", "tokens", "TPOT", "×floor")
 
 
+def _fmt_held(r: dict) -> str:
+    """Peak bytes the budget counted (allocator rounding included) · the GPU allocator's peak."""
+    h, g = r.get("peak_counted_bytes"), r.get("cuda_peak_bytes")
+    if h is None and g is None:
+        return "–"
+    return f"{'–' if h is None else _fmt_budget(h)} · {'–' if g is None else _fmt_budget(g)}"
+
+
 def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench", compact: bool = False):
     """The rich table: one line per engine/budget/batch/tokens, ratios against the baselines.
     ``compact``: engine, budget, batch, tokens, TPOT, ×floor and the ratios only."""
@@ -231,7 +244,7 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
     bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
     t = Table(title=title, show_lines=False, pad_edge=False)
     cols = ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS",
-            "hits % F·C·S·E·miss")
+            "held · GPU peak", "hits % F·C·S·E·miss")
     keep = [i for i, c in enumerate(cols) if not compact or c in COMPACT]
     for i in keep:
         t.add_column(cols[i], justify="left" if cols[i] == "engine" else "right", no_wrap=True)
@@ -250,6 +263,7 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
             "–" if bpt is None else f"{bpt / 2**20:.1f}",
             _fmt_s(_med(r, "floor_tpot_s")), _fmt_x(_med(r, "tpot_over_floor")),
             "–" if rss is None else _fmt_budget(rss),
+            _fmt_held(r),
             _fmt_hits(r.get("hits")),
         ]
         cells = [cells[i] for i in keep]

@@ -9,7 +9,8 @@ Built from one bench document (out.json; several runs merged with ``--merge``):
 - ``throughput``: output tokens per second at each batch size measured (the paper: 1, 4, 16);
 - ``e2e``: end-to-end latency per number of new tokens measured (the paper: 32, 128, 512), batch 1;
 - ``ablation``: zipmoe-basic (basic eviction only), zipmoe-pools (+heterogeneous pools),
-  zipmoe (+planning): TPOT and speed-up over basic, per budget;
+  zipmoe-noprefetch (+planning), zipmoe (+prefetch across layers): TPOT and speed-up over
+  basic, per budget;
 - ``agreement``: how far each engine's greedy tokens agree with zipmoe's (share of equal
   positions over the common length, first difference). For llama.cpp this is a figure, not a
   check: same bits in, other kernels.
@@ -30,8 +31,9 @@ from pathlib import Path
 from zipmoe.errors import UsageError
 
 SCHEMA = "zipmoe-bench-tables/1"
-ORDER = ("zipmoe", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
-ABLATION = (("zipmoe-basic", "basic"), ("zipmoe-pools", "+pools"), ("zipmoe", "+planning"))
+ORDER = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
+ABLATION = (("zipmoe-basic", "basic"), ("zipmoe-pools", "+pools"), ("zipmoe-noprefetch", "+planning"),
+            ("zipmoe", "+prefetch"))
 
 
 def _order(e: str) -> int:
@@ -186,7 +188,7 @@ def build(doc: dict) -> dict:
             c = _cell(status, rows, eng, bud, (bt, nt), "tpot_s")
             speed = (base / c["value"]) if (base and c["value"]) else None
             abl.append({"variant": label, "engine": eng, "budget": bud, "tpot_s": c, "speedup_over_basic": speed})
-    tables["ablation"] = {"title": f"ablation: basic / +pools / +planning (TPOT, batch {bt}, {nt} new tokens)", "rows": abl}
+    tables["ablation"] = {"title": f"ablation: basic / +pools / +planning / +prefetch (TPOT, batch {bt}, {nt} new tokens)", "rows": abl}
 
     runs = [r for d in doc.get("results") or [] for r in d.get("runs") or []]
     tables["agreement"] = {"title": "greedy tokens agreeing with zipmoe's (a figure: other kernels may round differently)",

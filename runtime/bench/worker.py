@@ -368,6 +368,8 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
             rec["decode_bytes_read_engine"] = counter_bytes(counter_diff(first["counters"], c1))
     if device == "cuda":
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    if runtime is not None and hasattr(runtime, "memory"):
+        rec["memory"] = runtime.memory()  # counted (allocator rounding included) beside the allocator's figures
     return rec
 
 
