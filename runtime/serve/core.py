@@ -257,8 +257,10 @@ class Runtime:
         return out
 
     def _idle_room(self) -> int:
-        """Read buffers may stay idle in what the window reserves and the experts in flight do not use."""
-        return self.window * self.expert_working - self._inflight
+        """Read buffers may stay idle in what the window reserves and the experts in flight do not use
+        (on CUDA the window's staging slots are the ring's, held whole: not room for them)."""
+        ring = 0 if self.staging is None else self.window * self.staging_slot_bytes
+        return self.window * self.expert_working - ring - self._inflight
 
     def hold(self, n: int) -> None:
         with self._lock:

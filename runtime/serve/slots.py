@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zipmoe.runtime.serve.staging import cuda_block_bytes
+
 __all__ = ["SlotArena", "SlotMap"]
 
 
@@ -45,11 +47,7 @@ class SlotArena:
     def nbytes(self) -> int:
         """Its bytes as allocated (on CUDA, as the caching allocator rounds them)."""
         n = self.data.numel() * self.data.element_size()
-        if self.data.device.type == "cuda":
-            from zipmoe.runtime.serve.staging import cuda_block_bytes
-
-            n = cuda_block_bytes(n)
-        return n
+        return cuda_block_bytes(n) if self.data.device.type == "cuda" and n else n
 
 
 class SlotMap:
@@ -75,15 +73,23 @@ class SlotMap:
                 count[key] = count.get(key, 0) + 1
                 size[key] = t.numel * itemsize
         total = sum(count[k] * size[k] for k in count)
-        if self.device.type == "cuda":  # each arena is one allocation, rounded up to 2 MiB
-            capacity -= len(count) * (2 << 20)
+        cuda = self.device.type == "cuda"
+
+        def taken(k, n):  # what arena k takes with n slots (on CUDA: as the allocator rounds it)
+            b = n * size[k]
+            return cuda_block_bytes(b) if cuda and b else b
+
+        if sum(taken(k, count[k]) for k in count) <= capacity:
+            ns = dict(count)
+        else:  # the same fraction of every kind
+            ns = {k: min(count[k], int(capacity * (count[k] * size[k]) / max(1, total)) // size[k]) for k in count}
+            # the allocator's rounding on top of the shares: a slot less in the largest arena until they fit
+            while sum(taken(k, ns[k]) for k in ns) > capacity and any(ns.values()):
+                k = max((k for k in ns if ns[k]), key=lambda k: ns[k] * size[k])
+                ns[k] -= 1
         self.arenas: dict[tuple, SlotArena] = {}
         for key in sorted(count):
-            if capacity >= total:
-                n = count[key]
-            else:  # the same fraction of every kind
-                n = min(count[key], int(capacity * (count[key] * size[key]) / max(1, total)) // size[key])
-            self.arenas[key] = SlotArena(key, n, key[1], dtype, self.device)
+            self.arenas[key] = SlotArena(key, ns[key], key[1], dtype, self.device)
         self.units = sorted({name for name, _ in count})
         self.host = {u: np.full((len(self.layers), self.num_experts), -1, dtype=np.int64) for u in self.units}
         self.maps = {u: torch.full((len(self.layers), self.num_experts), -1, dtype=torch.int64, device=self.device)
