@@ -483,3 +483,15 @@ def test_report_only_roundtrip(tmp_path, capsys):
     done = bench_run.finalize(json.loads(p.read_text()))
     assert done["ratios"][0]["tpot_x"] == pytest.approx(10.0)
     assert done["summary"][0]["floor_tpot_s"]["median"] == pytest.approx(0.1)
+
+
+def test_merge_adds_cases_instead_of_dropping_them():
+    """bench --merge: a batch-4 run of an engine keeps that engine's earlier batch-1 runs."""
+    from zipmoe.runtime.bench.run import merge_runs
+
+    old = {"engine": "zipmoe", "budget": 1, "runs": [{"batch": 1, "new_tokens": 12, "tpot_s": 0.1},
+                                                     {"batch": 4, "new_tokens": 12, "tpot_s": 0.5}]}
+    new = {"engine": "zipmoe", "budget": 1, "runs": [{"batch": 4, "new_tokens": 12, "tpot_s": 0.4}]}
+    merged = merge_runs(new, old)
+    assert [(r["batch"], r["tpot_s"]) for r in merged["runs"]] == [(1, 0.1), (4, 0.4)]
+    assert merge_runs({"runs": []}, {"runs": []})["runs"] == []

@@ -264,6 +264,16 @@ def finalize(doc: dict) -> dict:
     return doc
 
 
+def merge_runs(new: dict, old: dict) -> dict:
+    """Keep in ``new`` (one engine/budget's result) the runs of ``old`` whose case (batch, new
+    tokens) ``new`` did not measure, so that ``--merge`` adds cases instead of dropping them."""
+    seen = {(r.get("batch"), r.get("new_tokens")) for r in new.get("runs") or []}
+    kept = [r for r in old.get("runs") or [] if (r.get("batch"), r.get("new_tokens")) not in seen]
+    if kept:
+        new["runs"] = kept + list(new.get("runs") or [])
+    return new
+
+
 def load_results(path: Path) -> dict:
     try:
         doc = json.loads(Path(path).read_text())
@@ -457,8 +467,12 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
             res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
                              (lambda: prog.advance()) if prog else (lambda: None), timeout_s=cfg.engine_timeout_s)
             res["cgroup_limit_bytes"] = limit
-            # replace an earlier result for the same engine/budget (a re-run with --merge)
+            # an earlier result for the same engine/budget (a re-run with --merge): its runs of the
+            # cases this run measured are replaced, the others kept (e.g. batch 1, then batch 4)
+            earlier = [d for d in doc["results"] if d.get("engine") == eng and d.get("budget") == budget]
             doc["results"] = [d for d in doc["results"] if not (d.get("engine") == eng and d.get("budget") == budget)]
+            for d in earlier:
+                merge_runs(res, d)
             doc["results"].append(res)
             new_results.append(res)
             if not res.get("ok"):
