@@ -161,7 +161,7 @@ def plan(
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
               f"expert {1e3 * c['compute_s_per_expert']:.3f} ms")
     if dev.startswith("cuda"):
-        con.print("[dim]the full pool lives in GPU memory, the other pools in pinned host memory; the budget counts both[/dim]")
+        con.print("[dim]the full pool lives in GPU memory, the other pools in host memory; the budget counts both (and the pinned staging ring)[/dim]")
     _table(result, con)
     singles = [v["expected_tpot_s"] for k, v in result["alternatives"].items() if k != "no cache"]
     if singles and min(singles) > 0:
