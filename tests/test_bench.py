@@ -495,3 +495,14 @@ def test_merge_adds_cases_instead_of_dropping_them():
     merged = merge_runs(new, old)
     assert [(r["batch"], r["tpot_s"]) for r in merged["runs"]] == [(1, 0.1), (4, 0.4)]
     assert merge_runs({"runs": []}, {"runs": []})["runs"] == []
+
+
+def test_an_oom_kill_names_the_limits_parts():
+    """A worker the cgroup killed sends no report: the line still gives its baseline (what the
+    limit holds beyond budget, KV cache and margin) instead of '0 B'."""
+    from zipmoe.runtime.bench import run as bench_run
+
+    spec = {"engine": "zipmoe", "budget": 800 << 20, "cgroup_margin": 256 << 20, "context": 4096, "device": "cuda"}
+    line = bench_run._oom_line(spec, {}, (800 + 256 + 512) << 20)
+    assert line.startswith("engine zipmoe cannot run in budget 800") and "own 512" in line and "KV cache" not in line
+    assert "own 300" in bench_run._oom_line(spec, {"process_base_rss_bytes": 300 << 20}, 2 << 30)

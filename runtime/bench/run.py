@@ -223,14 +223,29 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
             if doc["cgroup_stats"].get("oom_kills") or (rc in (-9, 137) and not doc.get("ok") and not expired.is_set()):
                 doc["error_type"] = "OOMKilled"
                 lim = doc["cgroup_stats"].get("limit_bytes") or limit
-                doc["error"] = (f"engine {spec['engine']} cannot run in budget {format_size(spec['budget'])}: killed by the memory cgroup "
-                                f"at {format_size(lim)} (budget + the process's own {format_size(doc.get('process_base_rss_bytes') or 0)} "
-                                f"+ margin {format_size(spec.get('cgroup_margin') or 0)}; raise --cgroup-slack if the margin is too small)")
+                doc["error"] = _oom_line(spec, doc, lim)
                 doc["user_error"] = True
         return doc
     finally:
         if cg is not None:
             cg.close()
+
+
+def _oom_line(spec: dict, doc: dict, lim) -> str:
+    """The one line for an engine its cgroup killed, with the limit's parts. A killed worker
+    sends no report, so its measured baseline is what the limit holds beyond the other parts."""
+    from zipmoe.runtime.bench.worker import kv_allowance
+
+    budget = int(spec.get("budget") or 0)
+    margin = int(spec.get("cgroup_margin") or 0)
+    kv = kv_allowance(spec)
+    base = doc.get("process_base_rss_bytes")
+    if base is None and lim:
+        base = max(0, int(lim) - budget - margin - kv)
+    kv_part = f" + KV cache {format_size(kv)} (--context {spec.get('context')})" if kv else ""
+    return (f"engine {spec['engine']} cannot run in budget {format_size(budget)}: killed by the memory cgroup "
+            f"at {format_size(lim)} (budget + the process's own {format_size(base or 0)}{kv_part} "
+            f"+ margin {format_size(margin)}; raise --cgroup-slack if the margin is too small)")
 
 
 # ----------------------------------------------------------------------------- the run

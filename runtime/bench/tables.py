@@ -180,15 +180,21 @@ def build(doc: dict) -> dict:
             e2e.append({"engine": e, "budget": bud, "by_new_tokens": {str(n): _cell(status, rows, e, bud, (bt, n), "e2e_s") for n in lens}})
     tables["e2e"] = {"title": f"end-to-end latency by new tokens (batch {bt})", "batch": bt, "new_tokens": lens, "rows": e2e}
 
-    # ablation
+    # ablation: at the longest generation of batch bt that zipmoe-basic ran (the variants are
+    # usually run together, on fewer tokens than the e2e table's longest)
+    na = max((n for (e, _b, b, n) in rows if e == "zipmoe-basic" and b == bt), default=nt)
+    variants = list(ABLATION)
+    if not _prefetch_on(doc):  # prefetch was off in zipmoe's runs (the CPU default): zipmoe is +planning
+        variants = [(e, lab) for e, lab in ABLATION if e not in ("zipmoe-noprefetch", "zipmoe")] + [("zipmoe", "+planning")]
     abl = []
     for bud in budgets:
-        base = _med(rows.get(("zipmoe-basic", bud, bt, nt)), "tpot_s")
-        for eng, label in ABLATION:
-            c = _cell(status, rows, eng, bud, (bt, nt), "tpot_s")
+        base = _med(rows.get(("zipmoe-basic", bud, bt, na)), "tpot_s")
+        for eng, label in variants:
+            c = _cell(status, rows, eng, bud, (bt, na), "tpot_s")
             speed = (base / c["value"]) if (base and c["value"]) else None
             abl.append({"variant": label, "engine": eng, "budget": bud, "tpot_s": c, "speedup_over_basic": speed})
-    tables["ablation"] = {"title": f"ablation: basic / +pools / +planning / +prefetch (TPOT, batch {bt}, {nt} new tokens)", "rows": abl}
+    names = " / ".join(lab for _, lab in variants)
+    tables["ablation"] = {"title": f"ablation: {names} (TPOT, batch {bt}, {na} new tokens)", "rows": abl}
 
     runs = [r for d in doc.get("results") or [] for r in d.get("runs") or []]
     tables["agreement"] = {"title": "greedy tokens agreeing with zipmoe's (a figure: other kernels may round differently)",
@@ -198,6 +204,17 @@ def build(doc: dict) -> dict:
                      for (e, b), st in status.items() if st.get("error")})
     return {"schema": SCHEMA, "container": doc.get("container"), "model": doc.get("model"), "device": doc.get("device"),
             "machine": doc.get("machine"), "tables": tables, "notes": notes}
+
+
+def _prefetch_on(doc: dict) -> bool:
+    """Whether zipmoe's runs had prefetch across layers on (the runtime's describe(), recorded at
+    load); True when unknown (older documents)."""
+    for d in doc.get("results") or []:
+        if d.get("engine") == "zipmoe":
+            rt = (d.get("load_info") or {}).get("runtime")
+            if isinstance(rt, dict) and "prefetch" in rt:
+                return bool(rt["prefetch"])
+    return True
 
 
 # ----------------------------------------------------------------------------- presentation
