@@ -309,3 +309,44 @@ def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
     # without the fetching figure (older profiles) the dense time is the resident one for every plan
     old = Planner(layout, stats, {"costs": {k2: v for k2, v in costs.items() if k2 != "dense_s_per_token_fetching"}}, 1)
     assert old.describe({"full": 0})["expected_dense_s_per_token"] == pytest.approx(0.010)
+
+
+def test_prefetch_credit_is_bounded_by_the_time_between_layers():
+    """With the calibration's recall the planner hides that share of a layer's fetch time, never
+    more than the dense time between two sparse layers, never the computes; none without a recall."""
+    from zipmoe.runtime.plan.layout import ContainerLayout
+    from zipmoe.runtime.plan.planner import Planner
+    from zipmoe.runtime.plan.stats import ActivationStats
+
+    E, k, layers = 8, 2, [0, 1]
+    units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]
+    layout = ContainerLayout(path="m.zmoe", container_id="abc", file_size=0, num_layers=2, num_experts=E, top_k=k,
+                             sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
+                             expert_full_bytes=6144, expert_working=20000, max_segment=2048, total_expert_full=2 * E * 6144)
+    p = rank_distribution(np.array([40, 20, 10, 5, 3, 2, 1, 1]))
+    stats = ActivationStats("abc", E, k, layers, {0: p, 1: p}, "trace")
+    costs = {"disk_bw": 1e7, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+             "compute_s_per_expert": 1e-4, "dense_s_per_token": 0.010}
+    nothing = {"full": 0, "compressed": 0, "sm_only": 0, "e_only": 0}
+    everything = {"full": E, "compressed": 0, "sm_only": 0, "e_only": 0}
+    off = Planner(layout, stats, {"costs": costs}, 1)
+    assert off.describe(nothing)["expected_prefetch_credit_s_per_token"] == 0.0
+    on = Planner(layout, stats, {"costs": costs}, 1, prefetch_recall=0.8)
+    d_off, d_on = off.describe(nothing), on.describe(nothing)
+    credit = d_on["expected_prefetch_credit_s_per_token"]
+    assert 0 < credit <= 0.010 + 1e-12  # at most the dense time, spread over the layers
+    assert d_on["expected_tpot_s"] == pytest.approx(d_off["expected_tpot_s"] - credit)
+    fetch = d_off["expected_sparse_s_per_token"] - len(layers) * k * 1e-4
+    assert credit == pytest.approx(min(0.8 * fetch, 0.010))
+    # every expert resident: nothing to fetch, nothing to hide
+    assert on.describe(everything)["expected_prefetch_credit_s_per_token"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_calibration_side_file_gives_the_recall(tmp_path):
+    from zipmoe.runtime.plan.calibrate import prediction_path, read_recall
+
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    prediction_path(a).write_text(json.dumps({"prefetch": True, "precision": 0.9, "recall": 0.8}))
+    prediction_path(b).write_text(json.dumps({"prefetch": False, "precision": None, "recall": None}))
+    assert read_recall([a, b, c]) == pytest.approx(0.8)
+    assert read_recall([b, c]) is None

@@ -240,6 +240,14 @@ def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsy
     assert code == 0, err
     plan = json.loads(out.read_text())
     assert plan["trace"]["source"] == "trace" and plan["trace"]["steps"] == 4  # prefill + 3 decode steps
+    # the calibration's prefetch figures beside its trace: prefetch is off on the CPU, so no
+    # recall and no prefetch credit in the plan
+    from zipmoe.runtime.plan.calibrate import prediction_path
+
+    side = prediction_path(plan["trace"]["files"][0])
+    assert json.loads(side.read_text())["prefetch"] is False
+    assert plan["profile"]["prefetch_recall"] is None and plan["expected_prefetch_credit_s_per_token"] == 0.0
+    os.unlink(side)
     os.unlink(plan["trace"]["files"][0])
 
 

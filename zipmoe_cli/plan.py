@@ -64,7 +64,7 @@ def plan(
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.errors import UsageError
     from zipmoe.machine import decode_workers, resolve_device
-    from zipmoe.runtime.plan.calibrate import read_prompts, record_trace
+    from zipmoe.runtime.plan.calibrate import read_prompts, read_recall, record_trace
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
@@ -134,7 +134,8 @@ def plan(
         return
 
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
-                       profile_path=str(profile) if profile is not None else None)
+                       profile_path=str(profile) if profile is not None else None,
+                       prefetch_recall=read_recall(traces) if traces else None)
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -160,6 +161,11 @@ def plan(
               f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "
               f"expert {1e3 * c['compute_s_per_expert']:.3f} ms")
+    rec = result["profile"].get("prefetch_recall")
+    if rec is not None:
+        con.print(f"prefetch: recall {rec:.2f} in the calibration; it hides up to "
+                  f"{1e3 * result['expected_prefetch_credit_s_per_token']:.2f} ms per token of the chosen plan's fetches "
+                  f"(bounded by the time between two sparse layers)")
     if dev.startswith("cuda"):
         con.print("[dim]the full pool lives in GPU memory, the other pools in host memory; the budget counts both (and the pinned staging ring)[/dim]")
     _table(result, con)

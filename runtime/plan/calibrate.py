@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zipmoe.errors import UsageError
 
-__all__ = ["BUILTIN_PROMPTS", "read_prompts", "encode", "record_trace"]
+__all__ = ["BUILTIN_PROMPTS", "read_prompts", "encode", "record_trace", "read_recall", "prediction_path"]
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",
@@ -89,4 +89,41 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     finally:
         rt.stop_trace()
+    _write_prediction(Path(trace), rt)
     return Path(trace)
+
+
+def prediction_path(trace) -> Path:
+    """The side file of a calibration trace with its prefetch figures."""
+    return Path(str(trace) + ".prefetch.json")
+
+
+def _write_prediction(trace: Path, rt) -> None:
+    """Next to the trace: whether prefetch ran and, if it did, its precision and recall over the
+    calibration (the planner credits the fetch time prefetch hides with the recall)."""
+    import json
+
+    from zipmoe.runtime.serve.counters import prediction_quality
+
+    on = bool(rt.prefetch and rt.predictor is not None)
+    q = prediction_quality(rt.counters.snapshot()).get("all") or {}
+    doc = {"prefetch": on, "precision": q.get("precision") if on else None, "recall": q.get("recall") if on else None}
+    try:
+        prediction_path(trace).write_text(json.dumps(doc), encoding="utf-8")
+    except OSError:
+        pass
+
+
+def read_recall(traces) -> float | None:
+    """The mean prefetch recall over the traces' side files (None when none has one)."""
+    import json
+
+    vals = []
+    for t in traces:
+        try:
+            d = json.loads(prediction_path(t).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if d.get("prefetch") and isinstance(d.get("recall"), (int, float)):
+            vals.append(float(d["recall"]))
+    return sum(vals) / len(vals) if vals else None

@@ -33,8 +33,11 @@ class Planner:
     """The objective for one container, statistics, costs and worker count."""
 
     def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int,
-                 window: int | None = None) -> None:
+                 window: int | None = None, prefetch_recall: float | None = None) -> None:
         self.layout, self.stats, self.profile, self.workers = layout, stats, profile, int(workers)
+        # prefetch across layers (serve/prefetch.py), as the calibration pass measured it: the
+        # share of a layer's chosen experts the predictor had named (None: prefetch off or unknown)
+        self.prefetch_recall = None if prefetch_recall is None else min(1.0, max(0.0, float(prefetch_recall)))
         self.window = window
         self.costs = costs_of(profile)
         k = layout.top_k
@@ -71,10 +74,24 @@ class Planner:
         fetched = float(sum(hits)) - float(hits[0])  # everything but the full pool
         return self.dense_s + (self.dense_fetching_s - self.dense_s) * fetched / k
 
+    def prefetch_credit(self, expected: np.ndarray) -> np.ndarray:
+        """Per layer, the fetch time prefetch hides: the predicted experts' reads and decodes start
+        once the previous layer's router has chosen, so they overlap what runs between two sparse
+        layers (attention, norms, the dense part: ``dense_s`` spread over the layers), never more,
+        and only for the share of the layer's experts that was predicted (``prefetch_recall``).
+        The computes themselves are not hidden. Zero without a measured recall."""
+        if not self.prefetch_recall:
+            return np.zeros_like(expected)
+        n = max(1, len(self.layout.decode_layers))
+        compute = self.layout.top_k * self.costs.compute_s_per_expert
+        fetch = np.maximum(0.0, expected - compute)
+        return np.minimum(self.prefetch_recall * fetch, self.dense_s / n)
+
     def _evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer expected makespan (with the layer overhead) and mean hits per state."""
+        """Per-layer expected makespan (with the layer overhead, less the prefetch credit) and mean
+        hits per state."""
         expected, hits = self.layers.evaluate(slots)
-        return expected + self.layer_overhead, hits.mean(axis=0)
+        return expected - self.prefetch_credit(expected) + self.layer_overhead, hits.mean(axis=0)
 
     def tpot_s(self, slots: dict[str, int]) -> float:
         """Expected seconds per output token of a plan (the search's objective)."""
@@ -89,6 +106,7 @@ class Planner:
             "slots": {p: int(slots.get(p, 0)) for p in POOLS},
             "pools": {p: int(slots.get(p, 0)) * sb[p] * n for p in POOLS},
             "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
+            "expected_prefetch_credit_s_per_token": float(self.prefetch_credit(self.layers.evaluate(slots)[0]).sum()),
             "expected_layer_makespan_s": float(per_layer.mean()),
             "expected_sparse_s_per_token": float(per_layer.sum()),
             "expected_dense_s_per_token": self.dense_for(hits),
@@ -97,8 +115,10 @@ class Planner:
 
 
 def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, profile: dict, *, workers: int,
-              device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None) -> dict:
-    """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum."""
+              device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None,
+              prefetch_recall: float | None = None) -> dict:
+    """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum.
+    ``prefetch_recall``: the calibration pass's measured recall (prefetch on), or None."""
     minimum = layout.min_budget(workers)
     if budget < minimum:
         raise BudgetError(
@@ -107,7 +127,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
             f"decode scratch {format_size(minimum - layout.dense_bytes)})"
         )
     window = layout.window(budget, workers)
-    planner = Planner(layout, stats, profile, workers, window)
+    planner = Planner(layout, stats, profile, workers, window, prefetch_recall)
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.decode_layers)
     per_layer = pool_bytes // n
@@ -132,6 +152,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "dense_s_per_token_fetching": planner.dense_fetching_s,
         "dense_source": planner.dense_source,
         "layer_overhead_s": planner.layer_overhead,
+        "prefetch_recall": planner.prefetch_recall,
     }
     return {
         "format": PLAN_FORMAT,
@@ -160,6 +181,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "expected_layer_makespan_s": chosen["expected_layer_makespan_s"],
         "expected_sparse_s_per_token": chosen["expected_sparse_s_per_token"],
         "expected_tpot_s": chosen["expected_tpot_s"],
+        "expected_prefetch_credit_s_per_token": chosen["expected_prefetch_credit_s_per_token"],
         "alternatives": alternatives,
         "search": {"evaluated": res.evaluated},
         "profile": prof_summary,
