@@ -258,6 +258,8 @@ def test_paper_tables_cells_say_why(tmp_path):
     assert t["throughput"]["batches"] == [1, 4]
     assert thr[("zipmoe", M)]["by_batch"]["4"]["value"] is not None and thr[("deepspeed", M)]["by_batch"]["4"]["text"] == "not measured"
     assert thr[("deepspeed", M)]["by_batch"]["1"]["flag"] == "†"
+    # each engine's own longest generation at a batch: deepspeed ran 4 tokens, zipmoe 8
+    assert thr[("deepspeed", M)]["by_batch"]["1"]["value"] is not None
     assert t["e2e"]["new_tokens"] == [4, 8]
     abl = {r["variant"]: r for r in t["ablation"]["rows"]}
     assert t["ablation"]["rows"][0]["variant"] == "basic"
