@@ -280,12 +280,9 @@ def test_serving_overheads_split_by_the_compressed_pass():
     assert "disk_bw" not in serving_overheads(base, tensors, serving, 4, 6, compressed={**comp, "compressed_share": 0.5})
 
 
-def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
-    """On few cores the decode workers slow the dense part: the planner takes a plan's dense time
-    between the profile's resident and fetching figures, by the share of experts it fetches, and
-    the search's objective includes it."""
+def _two_layer_inputs():
+    """A two-layer container layout (8 experts, top-2) and skewed activation statistics."""
     from zipmoe.runtime.plan.layout import ContainerLayout
-    from zipmoe.runtime.plan.planner import Planner
     from zipmoe.runtime.plan.stats import ActivationStats
 
     E, k, layers = 8, 2, [0, 1]
@@ -294,7 +291,16 @@ def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
                              sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
                              expert_full_bytes=6144, expert_working=20000, max_segment=2048, total_expert_full=2 * E * 6144)
     p = rank_distribution(np.array([40, 20, 10, 5, 3, 2, 1, 1]))
-    stats = ActivationStats("abc", E, k, layers, {0: p, 1: p}, "trace")
+    return E, k, layers, layout, ActivationStats("abc", E, k, layers, {0: p, 1: p}, "trace")
+
+
+def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
+    """On few cores the decode workers slow the dense part: the planner takes a plan's dense time
+    between the profile's resident and fetching figures, by the share of experts it fetches, and
+    the search's objective includes it."""
+    from zipmoe.runtime.plan.planner import Planner
+
+    E, k, layers, layout, stats = _two_layer_inputs()
     costs = {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
              "compute_s_per_expert": 1e-4, "dense_s_per_token": 0.010, "dense_s_per_token_fetching": 0.030}
     pl = Planner(layout, stats, {"costs": costs}, 1)
@@ -314,17 +320,9 @@ def test_dense_time_of_a_plan_grows_with_the_experts_it_fetches():
 def test_prefetch_credit_is_bounded_by_the_time_between_layers():
     """With the calibration's recall the planner hides that share of a layer's fetch time, never
     more than the dense time between two sparse layers, never the computes; none without a recall."""
-    from zipmoe.runtime.plan.layout import ContainerLayout
     from zipmoe.runtime.plan.planner import Planner
-    from zipmoe.runtime.plan.stats import ActivationStats
 
-    E, k, layers = 8, 2, [0, 1]
-    units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]
-    layout = ContainerLayout(path="m.zmoe", container_id="abc", file_size=0, num_layers=2, num_experts=E, top_k=k,
-                             sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
-                             expert_full_bytes=6144, expert_working=20000, max_segment=2048, total_expert_full=2 * E * 6144)
-    p = rank_distribution(np.array([40, 20, 10, 5, 3, 2, 1, 1]))
-    stats = ActivationStats("abc", E, k, layers, {0: p, 1: p}, "trace")
+    E, k, layers, layout, stats = _two_layer_inputs()
     costs = {"disk_bw": 1e7, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
              "compute_s_per_expert": 1e-4, "dense_s_per_token": 0.010}
     nothing = {"full": 0, "compressed": 0, "sm_only": 0, "e_only": 0}
