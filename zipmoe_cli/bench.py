@@ -95,7 +95,7 @@ def bench(
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of time per output token by budget (needs matplotlib: zipmoe[bench])."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     engine: List[str] = typer.Option([], "--engine", help="Run exactly these engines instead of zipmoe + baselines: zipmoe, zipmoe-noprefetch, zipmoe-pools, zipmoe-basic, uncompressed, accelerate, resident, deepspeed, llama.cpp, moe-infinity."),
-    ablations: bool = typer.Option(False, "--ablations", help="Also run zipmoe-basic (basic eviction only) and zipmoe-pools (heterogeneous pools, no plan)."),
+    ablations: bool = typer.Option(False, "--ablations", help="Also run zipmoe-basic (basic eviction only), zipmoe-pools (heterogeneous pools, no plan) and zipmoe-noprefetch (the plan without prefetch)."),
     raw_container: Optional[Path] = typer.Option(None, "--raw-container", help="An existing codec-raw .zmoe for 'uncompressed' (else packed from the source once)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Folder for the unpacked source, raw container, offload folders and logs (default FILE.bench/ next to FILE)."),
     time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
@@ -139,7 +139,7 @@ def bench(
     if engine:
         engines = list(dict.fromkeys(engine))
     else:
-        engines = ["zipmoe"] + (["zipmoe-pools", "zipmoe-basic"] if ablations else []) + list(dict.fromkeys(baseline))
+        engines = ["zipmoe"] + (["zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic"] if ablations else []) + list(dict.fromkeys(baseline))
     if cold_method not in ("auto", "drop_caches", "fadvise"):
         raise UsageError(f"unknown --cold-method {cold_method!r}: use auto, drop_caches or fadvise")
     if cold_method == "drop_caches" and cold:
