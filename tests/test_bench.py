@@ -506,3 +506,21 @@ def test_an_oom_kill_names_the_limits_parts():
     line = bench_run._oom_line(spec, {}, (800 + 256 + 512) << 20)
     assert line.startswith("engine zipmoe cannot run in budget 800") and "own 512" in line and "KV cache" not in line
     assert "own 300" in bench_run._oom_line(spec, {"process_base_rss_bytes": 300 << 20}, 2 << 30)
+
+
+def test_merge_keeps_why_a_case_could_not_run():
+    """A failed case stays 'cannot run' (with its line) after a later --merge run of other cases
+    of the same engine succeeds; a case the later run measured loses its old error."""
+    from zipmoe.runtime.bench import tables
+    from zipmoe.runtime.bench.run import merge_runs
+
+    old = {"engine": "zipmoe", "budget": 1, "ok": False, "error": "killed by the memory cgroup",
+           "runs": [{"batch": 1, "new_tokens": 32}], "case_errors": {"b16-n32": "killed by the memory cgroup", "b1-n128": "killed"}}
+    new = {"engine": "zipmoe", "budget": 1, "ok": True, "runs": [{"batch": 1, "new_tokens": 128}]}
+    merged = merge_runs(new, old)
+    assert merged["case_errors"] == {"b16-n32": "killed by the memory cgroup"}
+    st = tables._status({"results": [merged]})
+    assert st[("zipmoe", 1)]["cases"] == {(16, 32): "killed by the memory cgroup"} and "error" not in st[("zipmoe", 1)]
+    cell = tables._cell(st, {}, "zipmoe", 1, (16, 32), "tpot_s")
+    assert cell["text"] == "cannot run" and "cgroup" in cell["why"]
+    assert tables._cell(st, {}, "zipmoe", 1, (4, 32), "tpot_s")["text"] == "not measured"

@@ -286,7 +286,21 @@ def merge_runs(new: dict, old: dict) -> dict:
     kept = [r for r in old.get("runs") or [] if (r.get("batch"), r.get("new_tokens")) not in seen]
     if kept:
         new["runs"] = kept + list(new.get("runs") or [])
+    # the old result's failed cases that the new one neither measured nor failed itself
+    errs = {k: v for k, v in (old.get("case_errors") or {}).items()
+            if k not in (new.get("case_errors") or {}) and _case_key(k) not in seen}
+    if errs:
+        new["case_errors"] = {**errs, **(new.get("case_errors") or {})}
     return new
+
+
+def _case_key(case_id: str) -> tuple:
+    """``"b4-n32"`` -> (4, 32)."""
+    try:
+        b, n = case_id.split("-")
+        return int(b[1:]), int(n[1:])
+    except ValueError:
+        return (None, None)
 
 
 def load_results(path: Path) -> dict:
@@ -484,6 +498,11 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
             res["cgroup_limit_bytes"] = limit
             # an earlier result for the same engine/budget (a re-run with --merge): its runs of the
             # cases this run measured are replaced, the others kept (e.g. batch 1, then batch 4)
+            if not res.get("ok") and res.get("error"):
+                # the cases it did not finish, with the line, so that a later --merge run that
+                # measures other cases keeps saying why these have no figure
+                done = {(r.get("batch"), r.get("new_tokens")) for r in res.get("runs") or []}
+                res["case_errors"] = {c["id"]: res["error"] for c in cases if (c["batch"], c["new_tokens"]) not in done}
             earlier = [d for d in doc["results"] if d.get("engine") == eng and d.get("budget") == budget]
             doc["results"] = [d for d in doc["results"] if not (d.get("engine") == eng and d.get("budget") == budget)]
             for d in earlier:

@@ -66,6 +66,12 @@ def _status(doc: dict) -> dict:
             out.setdefault(key, {})["error"] = r["error"]
         if r.get("budget_broken"):
             out.setdefault(key, {})["budget_broken"] = r["budget_broken"]
+        for cid, line in (r.get("case_errors") or {}).items():  # per case, kept across --merge
+            try:
+                b, n = cid.split("-")
+                out.setdefault(key, {}).setdefault("cases", {})[(int(b[1:]), int(n[1:]))] = line
+            except ValueError:
+                continue
     return out
 
 
@@ -94,8 +100,9 @@ def _cell(doc_status: dict, rows: dict, engine: str, budget, key: tuple, metric:
     flag = "†" if st.get("budget_broken") else ""
     if v is not None:
         return {"value": v, "text": "", "flag": flag, "generated": row.get("generated"), "stopped_by_time_limit": row.get("stopped_by_time_limit")}
-    if st.get("error"):
-        return {"value": None, "text": "cannot run", "why": st["error"], "flag": flag}
+    why = (st.get("cases") or {}).get(tuple(key)) or st.get("error")
+    if why:
+        return {"value": None, "text": "cannot run", "why": why, "flag": flag}
     return {"value": None, "text": "not measured", "flag": flag}
 
 
