@@ -524,3 +524,11 @@ def test_merge_keeps_why_a_case_could_not_run():
     cell = tables._cell(st, {}, "zipmoe", 1, (16, 32), "tpot_s")
     assert cell["text"] == "cannot run" and "cgroup" in cell["why"]
     assert tables._cell(st, {}, "zipmoe", 1, (4, 32), "tpot_s")["text"] == "not measured"
+
+
+def test_bench_context_follows_the_run():
+    from zipmoe.runtime.bench.run import run_context
+
+    cases = [{"input_ids": [[1] * 20], "new_tokens": 32}, {"input_ids": [[1] * 20] * 4, "new_tokens": 512}]
+    assert run_context(cases) == 576  # 20 + 512 + 1 -> 576
+    assert run_context([{"input_ids": [[1] * 10], "new_tokens": 3}]) == 64

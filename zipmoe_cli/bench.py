@@ -101,7 +101,7 @@ def bench(
     time_limit: float = typer.Option(120.0, "--time-limit", help="Seconds after which a run stops once it has --min-tokens tokens (slow baselines make fewer tokens); 0 = none."),
     engine_timeout: float = typer.Option(0.0, "--engine-timeout", help="Seconds after which an engine's worker is killed (its finished runs kept, the engine reported as timed out); 0 = none."),
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
-    context: int = typer.Option(4096, "--context", help="The zipmoe engines' KV cache in tokens (clamped to the model's max_position_embeddings); on the CPU its bytes are added to the cgroup on top of the budget."),
+    context: Optional[int] = typer.Option(None, "--context", help="The zipmoe engines' KV cache in tokens (default: the run's longest prompt + new tokens, rounded up to 64; clamped to the model's max_position_embeddings); on the CPU its bytes are added to the cgroup on top of the budget."),
     threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
     cold_method: str = typer.Option("auto", "--cold-method", help="How cold runs empty the page cache: auto (drop_caches where permitted, else fadvise), drop_caches, or fadvise (POSIX_FADV_DONTNEED on the engine's files only)."),
@@ -149,7 +149,7 @@ def bench(
             raise UsageError("--cold-method drop_caches needs write access to /proc/sys/vm/drop_caches (root); use fadvise")
     if cgroup_move_to_leaf and no_cgroup:
         raise UsageError("--cgroup-move-to-leaf and --no-cgroup contradict each other: give one of them")
-    if context < 2:
+    if context is not None and context < 2:
         raise UsageError("--context must be at least 2 tokens")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")

@@ -62,7 +62,7 @@ class BenchConfig:
     cgroup_move_to_leaf: bool = False  # cgroup v2: move this cgroup's processes into a leaf child (cgroup.detect)
     cold_method: str = "auto"  # auto (drop_caches where permitted, else fadvise), drop_caches, fadvise
     cgroup_slack: int | None = None
-    context: int = 4096  # the zipmoe engines' KV cache (decode loop), on top of the budget
+    context: int | None = None  # the zipmoe engines' KV cache (decode loop), on top of the budget; None: run_context
     disk_bw: float | None = None
     merge: bool = False
     raw_container: Path | None = None
@@ -279,6 +279,14 @@ def finalize(doc: dict) -> dict:
     return doc
 
 
+def run_context(cases: list[dict]) -> int:
+    """The zipmoe engines' KV cache when --context is not given: the longest prompt plus its new
+    tokens, rounded up to 64 positions (a static cache longer than the run costs memory, on the
+    CPU inside the cgroup, and attention time over the unused positions)."""
+    need = max((len((c.get("input_ids") or [[]])[0]) + int(c.get("new_tokens") or 0) + 1 for c in cases), default=64)
+    return -(-need // 64) * 64
+
+
 def merge_runs(new: dict, old: dict) -> dict:
     """Keep in ``new`` (one engine/budget's result) the runs of ``old`` whose case (batch, new
     tokens) ``new`` did not measure, so that ``--merge`` adds cases instead of dropping them."""
@@ -487,7 +495,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
-                "context": cfg.context,
+                "context": cfg.context or run_context(cases),
             }
             from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget
 
