@@ -47,7 +47,7 @@ def issue_order(experts: list, states: dict, tensors: dict) -> tuple[list, dict]
 class _Fetch:
     """One expert tensor being made whole."""
 
-    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "pinned", "w", "bufs",
+    __slots__ = ("tensor", "state", "out", "e_parts", "sm_parts", "host", "exp_host", "sm_host", "w", "bufs",
                  "ranges", "done", "reported", "_lock", "plog", "group", "cancelled")
 
     def __init__(self, tensor: ExpertTensor, state):
@@ -62,10 +62,9 @@ class _Fetch:
         self.out = None
         self.e_parts = None
         self.sm_parts = None
-        self.host = None
-        self.exp_host = None
+        self.host = None  # CUDA: the bf16 staging (host merge) or E / SM halves (device merge), views
+        self.exp_host = None  # of the group's staging ring slot (serve/staging.py)
         self.sm_host = None
-        self.pinned = None  # the pinned torch tensors behind exp_host / sm_host (for async copies)
         self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
         self.ranges: list = []  # the file ranges it reads (coalesced), one buffer each
         self.bufs: list = []  # the aligned read buffers (store.buffers) behind e_parts / sm_parts
