@@ -487,7 +487,7 @@ def test_report_only_roundtrip(tmp_path, capsys):
 
 def test_merge_adds_cases_instead_of_dropping_them():
     """bench --merge: a batch-4 run of an engine keeps that engine's earlier batch-1 runs."""
-    from zipmoe.runtime.bench.run import merge_runs
+    from zipmoe.runtime.bench.merge import merge_runs
 
     old = {"engine": "zipmoe", "budget": 1, "runs": [{"batch": 1, "new_tokens": 12, "tpot_s": 0.1},
                                                      {"batch": 4, "new_tokens": 12, "tpot_s": 0.5}]}
@@ -512,7 +512,7 @@ def test_merge_keeps_why_a_case_could_not_run():
     """A failed case stays 'cannot run' (with its line) after a later --merge run of other cases
     of the same engine succeeds; a case the later run measured loses its old error."""
     from zipmoe.runtime.bench import tables
-    from zipmoe.runtime.bench.run import merge_runs
+    from zipmoe.runtime.bench.merge import merge_runs
 
     old = {"engine": "zipmoe", "budget": 1, "ok": False, "error": "killed by the memory cgroup",
            "runs": [{"batch": 1, "new_tokens": 32}], "case_errors": {"b16-n32": "killed by the memory cgroup", "b1-n128": "killed"}}
@@ -527,7 +527,7 @@ def test_merge_keeps_why_a_case_could_not_run():
 
 
 def test_bench_context_follows_the_run():
-    from zipmoe.runtime.bench.run import run_context
+    from zipmoe.runtime.bench.inputs import run_context
 
     cases = [{"input_ids": [[1] * 20], "new_tokens": 32}, {"input_ids": [[1] * 20] * 4, "new_tokens": 512}]
     assert run_context(cases) == 576  # 20 + 512 + 1 -> 576

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from zipmoe.errors import UsageError
 
-__all__ = ["DEFAULT_PROMPTS", "read_prompts", "load_tokenizer", "tokenize", "make_cases", "prepare_source",
+__all__ = ["DEFAULT_PROMPTS", "read_prompts", "load_tokenizer", "tokenize", "make_cases", "run_context", "prepare_source",
            "prepare_raw_container"]
 
 DEFAULT_PROMPTS = [
@@ -101,6 +101,14 @@ def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_to
         for n in new_tokens:
             cases.append({"id": f"b{b}-n{n}", "batch": b, "new_tokens": n, "input_ids": ids, "attention_mask": mask, "pad_token_id": pad})
     return cases
+
+
+def run_context(cases: list[dict]) -> int:
+    """The zipmoe engines' KV cache when --context is not given: the longest prompt plus its new
+    tokens, rounded up to 64 positions (a static cache longer than the run costs memory, on the
+    CPU inside the cgroup, and attention time over the unused positions)."""
+    need = max((len((c.get("input_ids") or [[]])[0]) + int(c.get("new_tokens") or 0) + 1 for c in cases), default=64)
+    return -(-need // 64) * 64
 
 
 def prepare_source(cfg, work: Path, log) -> Path:

@@ -33,7 +33,8 @@ from pathlib import Path
 from zipmoe.errors import BudgetError, UsageError, ZipmoeError
 from zipmoe.machine import cpu_model, resolve_device
 from zipmoe.runtime.bench import cgroup, cold, engines, report
-from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, prepare_raw_container, prepare_source,
+from zipmoe.runtime.bench.merge import merge_runs
+from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, run_context, prepare_raw_container, prepare_source,
                                          read_prompts, tokenize)
 from zipmoe.runtime.bench.procs import kill_tree
 from zipmoe.units import format_size
@@ -277,38 +278,6 @@ def finalize(doc: dict) -> dict:
     doc["ratios"] = report.ratios(rows)
     doc["token_check"] = report.token_check(runs)
     return doc
-
-
-def run_context(cases: list[dict]) -> int:
-    """The zipmoe engines' KV cache when --context is not given: the longest prompt plus its new
-    tokens, rounded up to 64 positions (a static cache longer than the run costs memory, on the
-    CPU inside the cgroup, and attention time over the unused positions)."""
-    need = max((len((c.get("input_ids") or [[]])[0]) + int(c.get("new_tokens") or 0) + 1 for c in cases), default=64)
-    return -(-need // 64) * 64
-
-
-def merge_runs(new: dict, old: dict) -> dict:
-    """Keep in ``new`` (one engine/budget's result) the runs of ``old`` whose case (batch, new
-    tokens) ``new`` did not measure, so that ``--merge`` adds cases instead of dropping them."""
-    seen = {(r.get("batch"), r.get("new_tokens")) for r in new.get("runs") or []}
-    kept = [r for r in old.get("runs") or [] if (r.get("batch"), r.get("new_tokens")) not in seen]
-    if kept:
-        new["runs"] = kept + list(new.get("runs") or [])
-    # the old result's failed cases that the new one neither measured nor failed itself
-    errs = {k: v for k, v in (old.get("case_errors") or {}).items()
-            if k not in (new.get("case_errors") or {}) and _case_key(k) not in seen}
-    if errs:
-        new["case_errors"] = {**errs, **(new.get("case_errors") or {})}
-    return new
-
-
-def _case_key(case_id: str) -> tuple:
-    """``"b4-n32"`` -> (4, 32)."""
-    try:
-        b, n = case_id.split("-")
-        return int(b[1:]), int(n[1:])
-    except ValueError:
-        return (None, None)
 
 
 def load_results(path: Path) -> dict:
