@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import zipmoe
-from zipmoe.runtime.serve.device_side import own_device
 from zipmoe.runtime.serve.loader import requirements
-from zipmoe.runtime.serve.staging import PAGE, CopyStream, StagingRing, cuda_block_bytes
+from zipmoe.runtime.serve.staging import PAGE, CopyStream, StagingRing, cuda_block_bytes, own_device
 
 from test_runtime_fixtures import container, inputs, reference
 

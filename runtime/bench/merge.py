@@ -3,7 +3,7 @@ JSON document, keeping the cases the new run did not measure and why earlier one
 
 from __future__ import annotations
 
-__all__ = ["merge_runs"]
+__all__ = ["merge_runs", "case_key"]
 
 
 def merge_runs(new: dict, old: dict) -> dict:
@@ -15,14 +15,14 @@ def merge_runs(new: dict, old: dict) -> dict:
         new["runs"] = kept + list(new.get("runs") or [])
     # the old result's failed cases that the new one neither measured nor failed itself
     errs = {k: v for k, v in (old.get("case_errors") or {}).items()
-            if k not in (new.get("case_errors") or {}) and _case_key(k) not in seen}
+            if k not in (new.get("case_errors") or {}) and case_key(k) not in seen}
     if errs:
         new["case_errors"] = {**errs, **(new.get("case_errors") or {})}
     return new
 
 
-def _case_key(case_id: str) -> tuple:
-    """``"b4-n32"`` -> (4, 32)."""
+def case_key(case_id: str) -> tuple:
+    """``"b4-n32"`` (``inputs.make_cases``' ids) -> (4, 32); (None, None) for anything else."""
     try:
         b, n = case_id.split("-")
         return int(b[1:]), int(n[1:])

@@ -29,6 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from zipmoe.errors import UsageError
+from zipmoe.runtime.bench.merge import case_key
 
 SCHEMA = "zipmoe-bench-tables/1"
 ORDER = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
@@ -67,11 +68,7 @@ def _status(doc: dict) -> dict:
         if r.get("budget_broken"):
             out.setdefault(key, {})["budget_broken"] = r["budget_broken"]
         for cid, line in (r.get("case_errors") or {}).items():  # per case, kept across --merge
-            try:
-                b, n = cid.split("-")
-                out.setdefault(key, {}).setdefault("cases", {})[(int(b[1:]), int(n[1:]))] = line
-            except ValueError:
-                continue
+            out.setdefault(key, {}).setdefault("cases", {})[case_key(cid)] = line
     return out
 
 

@@ -87,26 +87,27 @@ class Planner:
         fetch = np.maximum(0.0, expected - compute)
         return np.minimum(self.prefetch_recall * fetch, self.dense_s / n)
 
-    def _evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer expected makespan (with the layer overhead, less the prefetch credit) and mean
-        hits per state."""
+    def _evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer expected makespan (with the layer overhead, less the prefetch credit), mean
+        hits per state, and the per-layer prefetch credit."""
         expected, hits = self.layers.evaluate(slots)
-        return expected - self.prefetch_credit(expected) + self.layer_overhead, hits.mean(axis=0)
+        credit = self.prefetch_credit(expected)
+        return expected - credit + self.layer_overhead, hits.mean(axis=0), credit
 
     def tpot_s(self, slots: dict[str, int]) -> float:
         """Expected seconds per output token of a plan (the search's objective)."""
-        per_layer, hits = self._evaluate(slots)
+        per_layer, hits, _credit = self._evaluate(slots)
         return float(per_layer.sum()) + self.dense_for(hits)
 
     def describe(self, slots: dict[str, int]) -> dict:
-        per_layer, hits = self._evaluate(slots)
+        per_layer, hits, credit = self._evaluate(slots)
         sb = self.layout.slot_bytes
         n = len(self.layout.decode_layers)
         return {
             "slots": {p: int(slots.get(p, 0)) for p in POOLS},
             "pools": {p: int(slots.get(p, 0)) * sb[p] * n for p in POOLS},
             "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
-            "expected_prefetch_credit_s_per_token": float(self.prefetch_credit(self.layers.evaluate(slots)[0]).sum()),
+            "expected_prefetch_credit_s_per_token": float(credit.sum()),
             "expected_layer_makespan_s": float(per_layer.mean()),
             "expected_sparse_s_per_token": float(per_layer.sum()),
             "expected_dense_s_per_token": self.dense_for(hits),

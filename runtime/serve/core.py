@@ -104,16 +104,16 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
     inflight, slot = [0], 0
     for ts in expert_tensors.values():
         w = sum(working_bytes_of(t) for t in ts)
+        n = CopyStream.layout(ts)[1]
+        slot = max(slot, 2 * n)  # (also on the CPU: a test may force the CUDA paths there)
         if cuda:
-            n = CopyStream.layout(ts)[1]
             w += cuda_block_bytes(2 * n) - sum(t.full_bytes for t in ts)
-            slot = max(slot, 2 * n)
         inflight.append(w)
     max_seg = max((s.numel for ts in expert_tensors.values() for t in ts for s in t.segments), default=0)
     scratch = max(1, workers) * 2 * max_seg
     if cuda:
         scratch += cuda_block_bytes(slot) + PAGE
-    return max(inflight) + slot, scratch, slot
+    return max(inflight) + (slot if cuda else 0), scratch, slot
 
 
 def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda: bool = False) -> dict:

@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 
-__all__ = ["DeviceSide", "demote", "own_device"]
+from zipmoe.runtime.serve.staging import own_device
+
+__all__ = ["DeviceSide", "demote"]
 
 
 class DeviceSide:
@@ -78,14 +80,6 @@ def demote(pool_name: str, data):
         return None
     e_parts, sm_parts = data
     return {"sm_only": (sum(p.nbytes for p in sm_parts), sm_parts), "e_only": (sum(p.nbytes for p in e_parts), e_parts)}
-
-
-def own_device(w):
-    """``w`` itself, or a copy when it is a view into a larger buffer (a fetch group's device
-    buffer): what a pool keeps must not hold the rest of that buffer alive."""
-    if w.untyped_storage().nbytes() > w.numel() * w.element_size():
-        return w.clone()
-    return w
 
 
 def _own(parts: list) -> list:

@@ -94,8 +94,7 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
         if self._copies is None or self._copies.device_merge != self.device_merge:
             ring = getattr(self.rt, "staging", None)
             if ring is None:
-                slot = max(2 * CopyStream.layout([t for t in ts])[1] for ts in self.rt.expert_tensors.values())
-                ring = StagingRing(self.rt.window, slot, pin=False)
+                ring = StagingRing(self.rt.window, self.rt.staging_slot_bytes, pin=False)
             self._copies = CopyStream(self.device, ring, self.device_merge)
         return self._copies
 

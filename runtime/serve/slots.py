@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zipmoe.runtime.serve.staging import cuda_block_bytes
+from zipmoe.runtime.serve.staging import cuda_block_bytes, own_device
 
 __all__ = ["SlotArena", "SlotMap"]
 
@@ -131,8 +131,6 @@ class SlotMap:
             if victim is not None:
                 self.cache.drop(victim)  # calls release(victim): its slot is free now
         if not arena.free:
-            from zipmoe.runtime.serve.device_side import own_device
-
             data = own_device(data)
             self.loose_bytes += data.numel() * data.element_size()
             return data

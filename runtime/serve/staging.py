@@ -27,7 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
-__all__ = ["StagingRing", "CopyStream", "cuda_block_bytes", "PAGE"]
+__all__ = ["StagingRing", "CopyStream", "cuda_block_bytes", "own_device", "PAGE"]
 
 PAGE = mmap.PAGESIZE
 
@@ -40,6 +40,14 @@ def cuda_block_bytes(nbytes: int) -> int:
     if n > 10 << 20:
         n = -(-n // (2 << 20)) * (2 << 20)
     return n
+
+
+def own_device(w):
+    """``w`` itself, or a copy when it is a view into a larger buffer (a fetch group's device
+    buffer): what a pool keeps must not hold the rest of that buffer alive."""
+    if w.untyped_storage().nbytes() > w.numel() * w.element_size():
+        return w.clone()
+    return w
 
 
 class StagingRing:
