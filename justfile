@@ -25,3 +25,7 @@ test:
 # The quick tests only.
 test-fast:
     python -m pytest -q -m "not slow" -p no:cacheprovider
+
+# Every module's size in lines, largest first (a report; no module has a line limit).
+sizes:
+    python tests/test_layout.py

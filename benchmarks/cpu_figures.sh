@@ -9,7 +9,7 @@ Q="What is the capital of France?"
 
 echo "== runtime: demo model at budgets holding 100%, 50%, 20% of the experts"
 for f in 1.0 0.5 0.2; do
-  b=$(python -c "from zipmoe.runtime.serve.loader import requirements as r; print(r('out/demo.zmoe', dtype='auto')['budget_for']($f))")
+  b=$(python -c "from zipmoe.runtime.engine.loader import requirements as r; print(r('out/demo.zmoe', dtype='auto')['budget_for']($f))")
   zipmoe chat out/demo.zmoe --budget "$b" --greedy --max-new-tokens 32 --prompt "$Q" --json > "$O/chat-$f.json"
   python - "$O/chat-$f.json" "$f" "$b" <<'PY'
 import json, sys

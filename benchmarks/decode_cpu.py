@@ -5,7 +5,7 @@
 
 1. Every expert in budget, warm (``warm=True``: no misses in the timed steps): time per
    output token of ``model.generate`` (transformers' loop, dynamic cache: the path before)
-   and of :class:`zipmoe.runtime.serve.loop.DecodeLoop` (static cache, each ``--contexts``
+   and of :class:`zipmoe.runtime.engine.loop.DecodeLoop` (static cache, each ``--contexts``
    length), greedy, ``--tokens`` new tokens (EOS suppressed), the median of ``--runs``.
 2. A two-turn chat at ``--chat-budget``: TTFT and TPOT of turn 1 and turn 2, before (every
    turn ``model.generate`` on the whole rendered conversation) and after (the loop keeping the
@@ -51,8 +51,8 @@ class _Clock:
 def resident(args) -> dict:
     import torch
 
-    from zipmoe.runtime.serve.loader import requirements
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.loader import requirements
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     req = requirements(args.container, workers=1, dtype=args.dtype)
     budget = req["budget_for"](1.0)
@@ -100,8 +100,8 @@ def resident(args) -> dict:
 def chat(args) -> dict:
     import torch
 
-    from zipmoe.runtime.serve.generate import chat_inputs, generate_turn
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     out = {}
     for engine in ("generate", "loop"):

@@ -8,7 +8,7 @@ layers, to save the synth and pack minutes) in the fused layout, packs it (codec
 codec does not matter with every expert resident), then for each batch size:
 
 * ``zipmoe-graphed``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert,
-  a StaticCache, :class:`zipmoe.runtime.serve.graphs.GraphedStep` as served (its defaults);
+  a StaticCache, :class:`zipmoe.runtime.engine.graphs.GraphedStep` as served (its defaults);
 * ``zipmoe-batched`` (batch > 1 only): GraphedStep with ``batched_sparse=True``, the graphs of
   batch > 1 sparse blocks (the default since graphs.BATCHED_SPARSE became True; before, the
   default ran them on the host path);
@@ -86,7 +86,7 @@ class Loop:
     def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True, batched_sparse=None) -> None:
         from transformers import StaticCache
 
-        from zipmoe.runtime.serve.graphs import GraphedStep, eager_step
+        from zipmoe.runtime.engine.graphs import GraphedStep, eager_step
 
         self.model = model
         b, n = prompt.shape
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     import transformers
 
     import zipmoe
-    from zipmoe.runtime.serve.loader import requirements
+    from zipmoe.runtime.engine.loader import requirements
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
                     results["runs"].append(res)
                     save()
         if "zipmoe-fast" in engines:  # --kernels fast: the same warm slots, transformers' grouped_mm function
-            from zipmoe.runtime.serve.experts_hook import FAST_IMPLEMENTATION
+            from zipmoe.runtime.engine.experts_hook import FAST_IMPLEMENTATION
 
             set_experts_implementation(model, FAST_IMPLEMENTATION)
             for b in batches:

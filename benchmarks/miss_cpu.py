@@ -44,7 +44,7 @@ def measure(path: str, budget, tokens: int, prefetch: bool | None, flat: bool, r
     import torch
 
     import zipmoe
-    from zipmoe.runtime.serve.counters import DecodeClock, delta
+    from zipmoe.runtime.engine.counters import DecodeClock, delta
 
     torch.set_num_threads(1)
     kw = {} if prefetch is None else {"prefetch": prefetch}
@@ -82,7 +82,7 @@ def measure(path: str, budget, tokens: int, prefetch: bool | None, flat: bool, r
         "describe": rt.describe(),
     }
     if "prediction_by_layer" in d:
-        from zipmoe.runtime.serve.counters import prediction_quality
+        from zipmoe.runtime.engine.counters import prediction_quality
 
         out["prediction"] = prediction_quality(d).get("all")
         out["prefetch"] = d.get("prefetch")
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
               f"{h.get('none', 0):>6.1%} {r['mb_read_per_token']:>7.1f} {f(pr.get('precision')):>5} {f(pr.get('recall')):>6}",
               flush=True)
     if a.flat_tokens:
-        from zipmoe.runtime.serve.loader import requirements
+        from zipmoe.runtime.engine.loader import requirements
 
         budget = int(requirements(a.container, workers=1)["budget_for"](a.flat_fraction))
         print(f"# step time over {a.flat_tokens} decode steps at {budget / 2**20:.0f} MiB "

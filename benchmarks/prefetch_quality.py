@@ -28,8 +28,8 @@ def measure(path: Path, fraction: float, tokens: int, seq2seq: bool) -> dict:
     import torch
 
     import zipmoe
-    from zipmoe.runtime.serve.counters import delta, prediction_quality
-    from zipmoe.runtime.serve.loader import requirements
+    from zipmoe.runtime.engine.counters import delta, prediction_quality
+    from zipmoe.runtime.engine.loader import requirements
 
     req = requirements(path, workers=1)
     model, _ = zipmoe.load(path, budget=req["budget_for"](fraction), workers=1, prefetch=True)

@@ -6,7 +6,7 @@
 In one process, the same prompt, greedy, ``--tokens`` decode steps after a prefill:
 
 * ``zipmoe loop``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert, then
-  :class:`zipmoe.runtime.serve.loop.DecodeLoop` (a StaticCache of ``--context`` positions);
+  :class:`zipmoe.runtime.engine.loop.DecodeLoop` (a StaticCache of ``--context`` positions);
 * ``transformers eager``: ``from_pretrained(source, experts_implementation="eager")`` stepped by
   the same DecodeLoop (the same StaticCache length and one-token forwards): the bit-identity
   reference's arithmetic, the same kernels, none of zipmoe's runtime;
@@ -73,7 +73,7 @@ def _stepper(model, ids, context: int):
     """(step function, first token) of a :class:`DecodeLoop` over ``model`` after prefilling ``ids``."""
     import torch
 
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     loop = DecodeLoop(model, context=context, graphs=False)
     with torch.inference_mode():
@@ -121,7 +121,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import zipmoe
-    from zipmoe.runtime.serve.loader import requirements
+    from zipmoe.runtime.engine.loader import requirements
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

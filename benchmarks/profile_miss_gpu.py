@@ -71,9 +71,9 @@ def main() -> int:
     import torch
 
     import zipmoe
-    from zipmoe.runtime.serve.counters import delta
-    from zipmoe.runtime.serve.loader import requirements
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.counters import delta
+    from zipmoe.runtime.engine.loader import requirements
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     path = build(Path(a.work), a.layers)
     req = requirements(path, workers=a.workers, device="cuda")

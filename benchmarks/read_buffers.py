@@ -1,4 +1,4 @@
-"""O_DIRECT reads into fresh anonymous mappings against reused ones (why runtime/serve/reads.py keeps
+"""O_DIRECT reads into fresh anonymous mappings against reused ones (why runtime/engine/reads.py keeps
 its read buffers): random aligned reads of one size from a file, both ways, interleaved.
 
     python benchmarks/read_buffers.py FILE [--size 1700K] [--reads 400] [--rounds 3]

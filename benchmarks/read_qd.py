@@ -25,8 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from zipmoe.codecs.reader import ContainerReader
-from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.reads import READ_PIECE, ExpertStore, _coalesce
+from zipmoe.runtime.engine.counters import Counters
+from zipmoe.runtime.engine.reads import READ_PIECE, ExpertStore, _coalesce
 from zipmoe.units import parse_size
 
 

@@ -32,7 +32,7 @@ from zipmoe.runtime.plan.planner import Planner, make_plan
 from zipmoe.runtime.plan.stats import from_traces
 from zipmoe.runtime.plan.fits import fit_increase, serving_overheads, serving_read_latency
 from zipmoe.runtime.plan.profile import costs_of
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 KEY = "merge_overhead_s"  # the cost the serving figure is fitted into (runtime.plan.fits.serving_overheads)
 SHARD = 1 << 20  # exponent bytes per stored E chunk (pack's default shard size, one byte per value)

@@ -161,7 +161,7 @@ def test_parse_lists_and_engines():
 
 def test_noprefetch_engine_loads_the_plan_without_prefetch(monkeypatch):
     """The +prefetch ablation's baseline: the same plan, prefetch=False; zipmoe leaves the default."""
-    from zipmoe.runtime.serve import loader
+    from zipmoe.runtime.engine import loader
 
     seen = []
 

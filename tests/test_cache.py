@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from zipmoe.runtime.serve.cache import POOLS, ExpertCache
+from zipmoe.runtime.engine.cache import POOLS, ExpertCache
 
 
 class _Reference:

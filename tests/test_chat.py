@@ -58,7 +58,7 @@ def test_prompt_json_is_the_reference_greedy_answer(mixtral, capsys, tmp_path):
     with torch.no_grad():
         want = ref.generate(**enc, max_new_tokens=6, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
     assert doc["token_ids"] == want[: len(doc["token_ids"])] and len(doc["token_ids"]) >= 1
-    from zipmoe.runtime.serve.trace import read_trace
+    from zipmoe.runtime.engine.trace import read_trace
 
     header, steps = read_trace(trace)
     assert header["num_experts"] == 8 and header["top_k"] == 2

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from zipmoe.runtime.serve.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
+from zipmoe.runtime.engine.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
 from zipmoe_cli.app import main
 
 from test_runtime_fixtures import container, reference

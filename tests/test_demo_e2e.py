@@ -27,7 +27,7 @@ def test_demo_served_from_container_matches_transformers(tmp_path):
     import zipmoe
     from zipmoe.codecs.writer import pack
     from zipmoe.runtime import synth
-    from zipmoe.runtime.serve.loader import requirements
+    from zipmoe.runtime.engine.loader import requirements
 
     torch.set_num_threads(2)
     src = synth.build_demo(tmp_path / "demo", experts=4, top_k=2, progress=False).path

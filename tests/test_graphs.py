@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps (serve/graphs.py) and the full pool's device slots (serve/slots.py).
+"""CUDA-graph decode steps (engine/graphs.py) and the full pool's device slots (engine/slots.py).
 
 The reference is transformers computing the same checkpoint with eager experts over a
 ``StaticCache``, step by step (:func:`decode`): prefill eagerly, then decode steps of one token
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import zipmoe
-from zipmoe.runtime.serve.cache import ExpertCache
-from zipmoe.runtime.serve.graphs import GraphedStep, eager_step, supported, why_not
-from zipmoe.runtime.serve.loader import requirements
-from zipmoe.runtime.serve.slots import SlotMap
+from zipmoe.runtime.engine.cache import ExpertCache
+from zipmoe.runtime.engine.graphs import GraphedStep, eager_step, supported, why_not
+from zipmoe.runtime.engine.loader import requirements
+from zipmoe.runtime.engine.slots import SlotMap
 
 from test_runtime_fixtures import container, reference
 
@@ -232,8 +232,8 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
     Batch 4: the per-(rank, token count) bodies fed from the host's index buffer, replayed in
     ascending expert order. (On CUDA the same bodies are captured and replayed: tests above.)
     """
-    from zipmoe.runtime.serve import graphs
-    from zipmoe.runtime.serve.experts_hook import routed_indices, zipmoe_experts_forward
+    from zipmoe.runtime.engine import graphs
+    from zipmoe.runtime.engine.experts_hook import routed_indices, zipmoe_experts_forward
 
     monkeypatch.setattr(graphs._Grouped, "_graph", staticmethod(lambda step, fn: types.SimpleNamespace(replay=fn)))
     src, path = container(tmp_path_factory, family)
@@ -322,7 +322,7 @@ def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
     batch 3 with left padding)."""
     from transformers import StaticCache
 
-    from zipmoe.runtime.serve.graphs import static_mask
+    from zipmoe.runtime.engine.graphs import static_mask
 
     src, path = container(tmp_path_factory, "qwen2_moe")
     ref = reference(src)
@@ -356,7 +356,7 @@ def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
 
 
 def _loop_style(model, prompt, mask, ctx, steps, graphed):
-    """What serve/loop.py's DecodeLoop feeds its hook: position ids, the mask so far or None."""
+    """What engine/loop.py's DecodeLoop feeds its hook: position ids, the mask so far or None."""
     from transformers import StaticCache
 
     batch = prompt.shape[0]

@@ -1,4 +1,4 @@
-"""zipmoe's decode loop (runtime/serve/loop.py): logits ``torch.equal`` to transformers.
+"""zipmoe's decode loop (runtime/engine/loop.py): logits ``torch.equal`` to transformers.
 
 The reference is the source checkpoint in transformers with eager experts, generating with a
 ``StaticCache`` of the same length (the same cache implementation: a dynamic cache, or a static
@@ -18,9 +18,9 @@ import torch
 
 import zipmoe
 from zipmoe.errors import UsageError
-from zipmoe.runtime.serve.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
-from zipmoe.runtime.serve.loader import requirements
-from zipmoe.runtime.serve.loop import ContextFull, DecodeLoop, kv_cache_bytes
+from zipmoe.runtime.engine.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
+from zipmoe.runtime.engine.loader import requirements
+from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop, kv_cache_bytes
 
 from test_runtime_fixtures import FAMILIES, container, inputs, reference
 
@@ -243,7 +243,7 @@ def test_encoder_decoder_is_refused_with_one_line(tmp_path_factory):
 
 @pytest.mark.parametrize("family", DECODERS)
 def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, family):
-    from zipmoe.runtime.serve.kvsize import kv_cache_bytes_upper
+    from zipmoe.runtime.engine.kvsize import kv_cache_bytes_upper
 
     src, path = container(tmp_path_factory, family)
     cfg = json.loads((src / "config.json").read_text())
@@ -267,7 +267,7 @@ def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
     ref = reference(src)
     req = requirements(path, workers=1)
     model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
-    from zipmoe.runtime.serve.loop import loop_generate
+    from zipmoe.runtime.engine.loop import loop_generate
 
     class Stream:
         def __init__(self):
@@ -299,7 +299,7 @@ def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
-    """On CUDA the loop's steps replay the CUDA graphs where runtime/serve/graphs.py supports the
+    """On CUDA the loop's steps replay the CUDA graphs where runtime/engine/graphs.py supports the
     model (warm-up, capture, then replays: three requests), bits equal to transformers."""
     src, path = container(tmp_path_factory, family)
     ref = reference(src, "cuda")
@@ -310,7 +310,7 @@ def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
     try:
         loop = DecodeLoop(model, context=CONTEXT, batch=batch, graphs="auto")
         try:
-            from zipmoe.runtime.serve import graphs
+            from zipmoe.runtime.engine import graphs
         except ImportError:
             graphs = None
         if graphs is not None and graphs.supported(model, batch):

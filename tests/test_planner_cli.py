@@ -98,7 +98,7 @@ def test_plan_writes_plan_json_and_explains(container, tmp_path, capsys):
     code, stdout, _ = _run(["plan", path, "--budget", "800K", "--trace", tr, "--profile", prof, "--json", "--workers", "1"], capsys)
     assert code == 0 and json.loads(stdout)["pools"] == plan["pools"]
     # the runtime accepts it
-    from zipmoe.runtime.serve.core import read_plan
+    from zipmoe.runtime.engine.core import read_plan
 
     assert read_plan(str(out), cid)["pools"] == plan["pools"]
 
@@ -168,8 +168,8 @@ def test_profile_measures_the_disk_at_the_runtimes_queue_depth(container, monkey
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.micro import measure_disk_readers
     from zipmoe.runtime.plan.profile import default_profile_path, get_profile, save_profile
-    from zipmoe.runtime.serve.loader import default_readers
-    from zipmoe.runtime.serve.reads import DEFAULT_READERS
+    from zipmoe.runtime.engine.loader import default_readers
+    from zipmoe.runtime.engine.reads import DEFAULT_READERS
 
     path, cid = container
     with ContainerReader(path) as r:
@@ -193,7 +193,7 @@ def test_profile_measures_the_disk_at_the_runtimes_queue_depth(container, monkey
 def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed(container):
     """The profile's serving passes: every chosen expert fetched from the disk, then every one a
     compressed hit (the split of what serving adds, runtime.profile.serving_overheads)."""
-    pytest.importorskip("zipmoe.runtime.serve.loader")
+    pytest.importorskip("zipmoe.runtime.engine.loader")
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.passes import measure_runtime
@@ -230,7 +230,7 @@ def test_profile_only_shows_the_profile(container, tmp_path, capsys):
 
 
 def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys):
-    pytest.importorskip("zipmoe.runtime.serve.loader")
+    pytest.importorskip("zipmoe.runtime.engine.loader")
     path, cid = container
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\n")
@@ -253,7 +253,7 @@ def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsy
 
 def test_layout_budget_accounting_matches_the_runtime(container):
     """planner_layout mirrors runtime.core's accounting: same minimum, working set and dense bytes."""
-    loader = pytest.importorskip("zipmoe.runtime.serve.loader")
+    loader = pytest.importorskip("zipmoe.runtime.engine.loader")
     if not hasattr(loader, "requirements"):
         pytest.skip("runtime.loader.requirements not available")
     from zipmoe.codecs.reader import ContainerReader
@@ -279,7 +279,7 @@ def test_layout_budget_accounting_matches_the_runtime(container):
 def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp_path, capsys):
     """The predicted-vs-measured tool behind docs/benchmarks.md §7: one row per plan, hits that
     add up to the experts each token uses, the JSON rewritten after every plan."""
-    pytest.importorskip("zipmoe.runtime.serve.loader")
+    pytest.importorskip("zipmoe.runtime.engine.loader")
     from zipmoe.runtime.plan import check as planner_check
 
     path, cid = container

@@ -17,9 +17,9 @@ import torch
 
 import zipmoe
 from zipmoe.errors import ChecksumError
-from zipmoe.runtime.serve.counters import prediction_quality
-from zipmoe.runtime.serve.loader import requirements
-from zipmoe.runtime.serve.prefetch import RouterPredictor
+from zipmoe.runtime.engine.counters import prediction_quality
+from zipmoe.runtime.engine.loader import requirements
+from zipmoe.runtime.engine.prefetch import RouterPredictor
 
 from test_runtime_fixtures import FAMILIES, container, inputs, is_seq2seq, reference
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zipmoe
-from zipmoe.runtime.serve.loader import requirements
+from zipmoe.runtime.engine.loader import requirements
 
 from test_runtime_fixtures import FAMILIES, container, inputs, is_seq2seq, reference
 

@@ -11,12 +11,12 @@ import torch
 
 import zipmoe
 from zipmoe.errors import BudgetError, ChecksumError, DeviceError, ModelError
-from zipmoe.runtime.serve.cache import ExpertCache
-from zipmoe.runtime.serve.counters import Counters, delta
-from zipmoe.runtime.serve.families import family_for, supported_names
-from zipmoe.runtime.serve.loader import requirements, resolve_device
-from zipmoe.runtime.serve.reads import ExpertStore
-from zipmoe.runtime.serve.trace import read_trace
+from zipmoe.runtime.engine.cache import ExpertCache
+from zipmoe.runtime.engine.counters import Counters, delta
+from zipmoe.runtime.engine.families import family_for, supported_names
+from zipmoe.runtime.engine.loader import requirements, resolve_device
+from zipmoe.runtime.engine.reads import ExpertStore
+from zipmoe.runtime.engine.trace import read_trace
 
 from test_runtime_fixtures import container, inputs, reference
 
@@ -47,7 +47,7 @@ def test_cache_admits_more_frequent_only_and_keeps_one_state():
 
 
 def test_cache_cascade_moves_a_compressed_victim_down_with_what_it_keeps():
-    from zipmoe.runtime.serve.device_side import demote
+    from zipmoe.runtime.engine.device_side import demote
 
     def parts(n, v):
         return [np.full(n, v, np.uint8)]
@@ -218,7 +218,7 @@ def test_trace_records_every_step(tmp_path_factory, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_runtime_consistent(tmp_path_factory):
-    from zipmoe.runtime.serve.generate import generate_turn
+    from zipmoe.runtime.engine.generate import generate_turn
 
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=1)
@@ -281,7 +281,7 @@ def test_inference_mode_then_grad_mode(tmp_path_factory):
 def test_host_indices_are_torch_where_of_the_eager_mask(top_k):
     """routed_indices/switch_indices give, per hit expert, exactly torch.where(expert_mask[e]) (values,
     order and dtype) and the eager hit list, without building the mask: the hook gathers with them."""
-    from zipmoe.runtime.serve.experts_hook import per_expert, routed_indices, switch_indices
+    from zipmoe.runtime.engine.experts_hook import per_expert, routed_indices, switch_indices
 
     g = torch.Generator().manual_seed(top_k)
     num_experts = 5  # few experts, so several tokens share one
@@ -456,7 +456,7 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
 
 def test_decode_clock_times_the_decode_steps_alone():
     """The streamer of the profile and of planner_check: the counters from the prefill's token on."""
-    from zipmoe.runtime.serve.counters import Counters, DecodeClock
+    from zipmoe.runtime.engine.counters import Counters, DecodeClock
 
     c = Counters()
     between = []

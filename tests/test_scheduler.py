@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from zipmoe.runtime.plan import simulate as sm
-from zipmoe.runtime.serve.cache import ExpertCache
-from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.fetch import expert_type, issue_order
-from zipmoe.runtime.serve.scheduler import LayerScheduler
-from zipmoe.runtime.serve.reads import ExpertStore, ReadBuffers
-from zipmoe.runtime.serve.tensors import ExpertTensor, Segment
+from zipmoe.runtime.engine.cache import ExpertCache
+from zipmoe.runtime.engine.counters import Counters
+from zipmoe.runtime.engine.fetch import expert_type, issue_order
+from zipmoe.runtime.engine.scheduler import LayerScheduler
+from zipmoe.runtime.engine.reads import ExpertStore, ReadBuffers
+from zipmoe.runtime.engine.tensors import ExpertTensor, Segment
 
 
 class _FakeRuntime:

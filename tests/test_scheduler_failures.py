@@ -15,8 +15,8 @@ import torch
 
 import zipmoe
 from zipmoe.errors import ServingError
-from zipmoe.runtime.serve import scheduler as sched_mod
-from zipmoe.runtime.serve.scheduler import LayerScheduler
+from zipmoe.runtime.engine import scheduler as sched_mod
+from zipmoe.runtime.engine.scheduler import LayerScheduler
 
 from test_runtime_fixtures import container, inputs, reference
 from test_scheduler import _FakeRuntime, _place, _tensor

@@ -1,4 +1,4 @@
-"""Memory limit at load (serve/memlimit.py): a limit below baseline + budget + KV cache is refused in one line."""
+"""Memory limit at load (engine/memlimit.py): a limit below baseline + budget + KV cache is refused in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zipmoe.errors import BudgetError
-from zipmoe.runtime.serve.memlimit import check, kv_cache_bytes, limits
+from zipmoe.runtime.engine.memlimit import check, kv_cache_bytes, limits
 
 from test_runtime_fixtures import container
 
@@ -71,10 +71,10 @@ def test_rlimit_in_a_subprocess_refuses_the_load_and_force_proceeds(tmp_path_fac
     _, path = container(tmp_path_factory, "qwen3_moe")
     code = (
         "import resource, sys, zipmoe, torch, transformers\n"
-        "import zipmoe.runtime.serve.loader, zipmoe.runtime.serve.core, zipmoe.codecs.reader\n"
+        "import zipmoe.runtime.engine.loader, zipmoe.runtime.engine.core, zipmoe.codecs.reader\n"
         "import transformers.models.qwen3_moe.modeling_qwen3_moe\n"
         "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
-        "from zipmoe.runtime.serve.memlimit import process_memory\n"
+        "from zipmoe.runtime.engine.memlimit import process_memory\n"
         "m = process_memory()\n"
         f"base = m['{'size' if which == 'RLIMIT_AS' else 'data'}']\n"
         f"resource.setrlimit(resource.{which}, (base + (768 << 20), resource.RLIM_INFINITY))\n"

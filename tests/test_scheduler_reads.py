@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zipmoe
-from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.reads import ALIGN, ExpertStore
+from zipmoe.runtime.engine.counters import Counters
+from zipmoe.runtime.engine.reads import ALIGN, ExpertStore
 
 from test_runtime_fixtures import container, inputs, reference
 

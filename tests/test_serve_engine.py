@@ -17,7 +17,7 @@ from test_runtime_fixtures import container
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    from zipmoe.runtime.serve.loader import load
+    from zipmoe.runtime.engine.loader import load
 
     _, path = container(tmp_path_factory, "mixtral")
     torch.set_num_threads(1)
@@ -29,7 +29,7 @@ def loaded(tmp_path_factory):
 
 
 def _prompts(tok):
-    from zipmoe.runtime.serve.generate import chat_inputs
+    from zipmoe.runtime.engine.generate import chat_inputs
 
     texts = ["Hello there", "What is the capital of France?", "Tell me a story about a dragon and a knight", "x"]
     return [chat_inputs(tok, [{"role": "user", "content": t}], "cpu")["input_ids"][0].tolist() for t in texts]
@@ -47,7 +47,7 @@ def _alone(stepper, ids, n):
 
 
 def test_lone_row_is_generate(loaded):
-    from zipmoe.runtime.api.stepper import TransformersStepper
+    from zipmoe.runtime.server.stepper import TransformersStepper
 
     model, tok = loaded
     stepper = TransformersStepper(model)
@@ -60,7 +60,7 @@ def test_lone_row_is_generate(loaded):
 
 
 def test_padded_joined_and_dropped_rows_compute_what_they_compute_alone(loaded):
-    from zipmoe.runtime.api.stepper import TransformersStepper
+    from zipmoe.runtime.server.stepper import TransformersStepper
 
     model, tok = loaded
     stepper = TransformersStepper(model)
@@ -110,8 +110,8 @@ def test_a_lone_request_decodes_on_the_loop_as_chat_does(loaded):
     """alone=True: the stepper's DecodeLoop (a static cache of the same length as chat's):
     torch.equal logits to a DecodeLoop of its own, a conversation's next turn reuses the cache
     as chat's next turn does, and a prompt that does not extend it starts from an empty cache."""
-    from zipmoe.runtime.api.stepper import LoopBatch, TransformersStepper
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.server.stepper import LoopBatch, TransformersStepper
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     model, tok = loaded
     stepper = TransformersStepper(model, context=64)
@@ -141,7 +141,7 @@ def test_a_lone_request_decodes_on_the_loop_as_chat_does(loaded):
 
 
 def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alone(loaded):
-    from zipmoe.runtime.api.stepper import TransformersStepper
+    from zipmoe.runtime.server.stepper import TransformersStepper
 
     model, tok = loaded
     stepper = TransformersStepper(model, context=64)
@@ -169,8 +169,8 @@ def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alon
 
 
 def test_engine_batches_cancels_and_stops(loaded):
-    from zipmoe.runtime.api.batcher import Engine, Request, SamplingParams
-    from zipmoe.runtime.api.stepper import TransformersStepper, context_length
+    from zipmoe.runtime.server.batcher import Engine, Request, SamplingParams
+    from zipmoe.runtime.server.stepper import TransformersStepper, context_length
 
     model, tok = loaded
     engine = Engine(max_batch=2)

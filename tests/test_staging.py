@@ -1,4 +1,4 @@
-"""The device side of a fetch (runtime/serve/staging.py): the pinned staging ring, the copy
+"""The device side of a fetch (runtime/engine/staging.py): the pinned staging ring, the copy
 stream, the allocator rounding the budget counts; and the forced CUDA paths on the CPU, with a
 ring smaller than the work so that its slots are reused. The reference of the logits checks is
 transformers computing the same checkpoint with eager experts (test_runtime_fixtures.reference)."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zipmoe
-from zipmoe.runtime.serve.loader import requirements
-from zipmoe.runtime.serve.staging import PAGE, CopyStream, StagingRing, cuda_block_bytes, own_device
+from zipmoe.runtime.engine.loader import requirements
+from zipmoe.runtime.engine.staging import PAGE, CopyStream, StagingRing, cuda_block_bytes, own_device
 
 from test_runtime_fixtures import container, inputs, reference
 

@@ -26,8 +26,8 @@ def load(path, budget="8G", device="auto", plan=None, **kwargs):
     """Load a .zmoe container as a transformers model served under a memory budget.
 
     Returns ``(model, tokenizer)``. Dense weights are resident; expert weights come from the
-    container on demand. See ``zipmoe.runtime.serve.loader.load`` for every option.
+    container on demand. See ``zipmoe.runtime.engine.loader.load`` for every option.
     """
-    from .runtime.serve.loader import load as _load
+    from .runtime.engine.loader import load as _load
 
     return _load(path, budget=budget, device=device, plan=plan, **kwargs)

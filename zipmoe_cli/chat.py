@@ -9,8 +9,8 @@ longer than the cache is one line, not a crash.
 ``--prompt TEXT`` (repeatable: the turns run in order in one conversation) answers and exits;
 with ``--json`` one ``--prompt`` prints one JSON document (``token_ids``, ``text``, ``stats``,
 ``interrupted``) and several print ``{"turns": [{"token_ids", "text", "stats", "interrupted"}, ...]}``.
-The work is done by :func:`zipmoe.runtime.serve.loader.load`,
-:class:`zipmoe.runtime.serve.loop.DecodeLoop` and :func:`zipmoe.runtime.serve.generate.generate_turn`.
+The work is done by :func:`zipmoe.runtime.engine.loader.load`,
+:class:`zipmoe.runtime.engine.loop.DecodeLoop` and :func:`zipmoe.runtime.engine.generate.generate_turn`.
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ def chat(
     from rich.console import Console
 
     from zipmoe.errors import UsageError, ZipmoeError
-    from zipmoe.runtime.serve.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.engine.generate import chat_inputs, generate_turn
     from zipmoe.machine import decode_workers, torch_threads
-    from zipmoe.runtime.serve.loader import load
-    from zipmoe.runtime.serve.loop import ContextFull, DecodeLoop
+    from zipmoe.runtime.engine.loader import load
+    from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop
     from zipmoe.units import format_size, parse_size
 
     prompts = list(prompt or [])
@@ -141,7 +141,7 @@ def chat(
     if force:
         import os
 
-        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (serve/memlimit.py)
+        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (engine/memlimit.py)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if temperature is not None and temperature < 0:

@@ -11,7 +11,7 @@ import typer
 def _table(plan: dict, console) -> None:
     from rich.table import Table
 
-    from zipmoe.runtime.serve.states import POOLS, STATES
+    from zipmoe.runtime.engine.states import POOLS, STATES
     from zipmoe.units import format_size
 
     rows = [("chosen", plan)] + list(plan["alternatives"].items())
@@ -58,7 +58,7 @@ def plan(
     if force:
         import os
 
-        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (serve/memlimit.py)
+        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (engine/memlimit.py)
     from rich.console import Console
 
     from zipmoe.codecs.reader import ContainerReader

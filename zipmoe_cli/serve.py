@@ -1,7 +1,7 @@
 """`zipmoe serve FILE.zmoe`: an OpenAI-compatible HTTP server over a model served from its container.
 
 The listening socket is bound first (a port in use is one line and exit 2), then uvicorn
-serves :func:`zipmoe.runtime.api.app.build_app` while the model loads on the model thread
+serves :func:`zipmoe.runtime.server.app.build_app` while the model loads on the model thread
 (``/health`` answers 503 until it is ready). A load that fails (a corrupted file, a budget
 below the minimum) stops the server and prints one line. SIGTERM or Ctrl-C: stop accepting,
 let the requests in flight finish for up to ``--shutdown-timeout`` seconds, cancel the rest,
@@ -99,7 +99,7 @@ def serve(
     _say(f"zipmoe serve: loading {file} as {model_name or file.stem!r} under a {budget} budget; "
          f"listening on http://{shown}:{actual_port}")
 
-    from zipmoe.runtime.api.app import ServeConfig, ServerState, build_app
+    from zipmoe.runtime.server.app import ServeConfig, ServerState, build_app
 
     cfg = ServeConfig(file=file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
                       dtype=dtype, warm=warm, model_name=model_name or file.stem, api_key=api_key,

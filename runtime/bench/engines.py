@@ -119,9 +119,9 @@ def before_load(spec: dict) -> dict:
 
 
 def _load_fn():
-    """runtime.serve.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
+    """runtime.engine.loader.load (what zipmoe.load forwards to; its signature lists the options)."""
     try:
-        from zipmoe.runtime.serve import loader
+        from zipmoe.runtime.engine import loader
     except ImportError as exc:
         raise UsageError(f"the zipmoe runtime is not available in this build ({exc})") from None
     return loader.load
@@ -206,7 +206,7 @@ def load_engine(spec: dict):
     es = engine(name)
     device = spec["device"]
     if es.kind == "zipmoe":
-        fn = _load_fn()  # runtime.serve.loader.load (a clear error when the runtime is missing)
+        fn = _load_fn()  # runtime.engine.loader.load (a clear error when the runtime is missing)
         kwargs = {}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])

@@ -24,7 +24,7 @@ import statistics
 from collections import defaultdict
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 ZIPMOE_ENGINES = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic")
 BASELINE_ORDER = ("accelerate", "uncompressed", "resident", "deepspeed", "llama.cpp", "moe-infinity")

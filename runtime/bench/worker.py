@@ -6,7 +6,7 @@ engine (runtime/bench/engines.py), then for every case (batch, new tokens) and r
 
 - cold runs empty the page cache first (runtime/bench/cold.py; the mode is recorded);
 - greedy decoding of a fixed number of new tokens (EOS suppressed with ``min_new_tokens``):
-  the zipmoe engines run zipmoe's decode loop (runtime/serve/loop.py, a static KV cache of
+  the zipmoe engines run zipmoe's decode loop (runtime/engine/loop.py, a static KV cache of
   ``spec["context"]`` positions, default 4096, allocated once per batch size; on the CPU its
   bytes are added to the cgroup's limit, see :func:`kv_allowance`), the others
   ``model.generate``; a streamer stamps the time of every token and snapshots the bytes
@@ -176,7 +176,7 @@ def counter_diff(a, b):
     if a is None:
         return b
     try:
-        from zipmoe.runtime.serve.counters import delta
+        from zipmoe.runtime.engine.counters import delta
 
         return delta(b, a)
     except Exception:
@@ -250,7 +250,7 @@ def kv_allowance(spec: dict) -> int:
     if es.kind != "zipmoe" or spec.get("device") != "cpu":
         return 0
     from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.runtime.serve.kvsize import kv_cache_bytes_upper
+    from zipmoe.runtime.engine.kvsize import kv_cache_bytes_upper
 
     path = spec.get("raw_container") if es.needs == "raw_container" else spec.get("container")
     if not path:
@@ -272,7 +272,7 @@ def _loop_for(model, runtime, torch, spec: dict, batch: int):
     if cur is not None and cur.batch == batch:
         return cur
     _LOOP.clear()
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     _LOOP["loop"] = DecodeLoop(model, context=int(spec.get("context") or DEFAULT_CONTEXT), batch=batch)
     return _LOOP["loop"]
@@ -405,7 +405,7 @@ def main() -> int:
         from zipmoe.runtime.bench import cold, engines
 
         if spec.get("engine", "").startswith("zipmoe") or spec.get("engine") == "uncompressed":
-            from zipmoe.runtime.serve import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
+            from zipmoe.runtime.engine import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
         else:
             import transformers  # noqa: F401
         if device == "cuda":

@@ -70,8 +70,8 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
     import torch
 
     from zipmoe.machine import torch_threads
-    from zipmoe.runtime.serve.loader import load
-    from zipmoe.runtime.serve.loop import loop_generate
+    from zipmoe.runtime.engine.loader import load
+    from zipmoe.runtime.engine.loop import loop_generate
 
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
                       **load_kwargs(dtype))
@@ -103,7 +103,7 @@ def _write_prediction(trace: Path, rt) -> None:
     calibration (the planner credits the fetch time prefetch hides with the recall)."""
     import json
 
-    from zipmoe.runtime.serve.counters import prediction_quality
+    from zipmoe.runtime.engine.counters import prediction_quality
 
     on = bool(rt.prefetch and rt.predictor is not None)
     q = prediction_quality(rt.counters.snapshot()).get("all") or {}

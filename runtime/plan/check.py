@@ -29,7 +29,7 @@ import json
 import statistics
 import sys
 
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["measure_plan", "main"]
 
@@ -41,9 +41,9 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.plan.calibrate import encode, load_kwargs
-    from zipmoe.runtime.serve.counters import DecodeClock
-    from zipmoe.runtime.serve.loader import load
-    from zipmoe.runtime.serve.loop import loop_generate
+    from zipmoe.runtime.engine.counters import DecodeClock
+    from zipmoe.runtime.engine.loader import load
+    from zipmoe.runtime.engine.loop import loop_generate
 
     workers = workers or plan.get("workers") or 1
     # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the

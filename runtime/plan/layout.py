@@ -1,10 +1,10 @@
 """What the planner needs to know about a container: sizes of experts, dense weights, working set.
 
-Expert tensors are grouped exactly as the runtime groups them (runtime.serve.tensors' ExpertTensor:
+Expert tensors are grouped exactly as the runtime groups them (runtime.engine.tensors' ExpertTensor:
 ``gate_up`` and ``down`` for the fused families, ``up`` and ``down`` for SwitchTransformers),
 so that a runtime.plan.simulate Task is one runtime compute tensor.
 
-Budget accounting mirrors runtime.serve.core.Runtime::
+Budget accounting mirrors runtime.engine.core.Runtime::
 
     budget = dense + scratch + window * expert_working + pools
     scratch = workers * 2 * largest segment (decode scratch per worker)
@@ -44,7 +44,7 @@ class ContainerLayout:
     dense_matmul_bytes: int  # 2-D dense weights except embeddings (GEMV work per token)
     units: list[tuple[str, tuple[int, int], int, int, int]]  # (name, shape, nbytes, e_bytes, sm_bytes), mean expert
     expert_full_bytes: int  # one expert, all units, bf16
-    expert_working: int  # runtime.serve.core: max per expert of bf16 + staging bytes
+    expert_working: int  # runtime.engine.core: max per expert of bf16 + staging bytes
     max_segment: int  # largest segment numel (decode scratch)
     total_expert_full: int  # all experts, as computed with (compute dtype)
     decode_layers: list[int] | None = None  # sparse layers a decode step runs (seq2seq: the decoder's)
@@ -78,7 +78,7 @@ class ContainerLayout:
         return self.dense_bytes + self.scratch_bytes(workers) + self.expert_working
 
     def window(self, budget: int, workers: int) -> int:
-        """Experts the runtime keeps in flight at once under ``budget`` (runtime.serve.core)."""
+        """Experts the runtime keeps in flight at once under ``budget`` (runtime.engine.core)."""
         left = budget - self.dense_bytes - self.scratch_bytes(workers)
         return max(1, min(workers + 2, left // max(1, self.expert_working)))
 
@@ -93,10 +93,10 @@ class ContainerLayout:
 
 def expert_tensors(reader, family=None) -> dict:
     """The container's expert tensors grouped as the runtime groups them
-    (``{(layer, expert): [ExpertTensor per unit]}``, runtime.serve.tensors), with the shapes the
+    (``{(layer, expert): [ExpertTensor per unit]}``, runtime.engine.tensors), with the shapes the
     entries themselves give (no model skeleton is built)."""
-    from zipmoe.runtime.serve.families import family_for
-    from zipmoe.runtime.serve.tensors import build_expert_tensors
+    from zipmoe.runtime.engine.families import family_for
+    from zipmoe.runtime.engine.tensors import build_expert_tensors
 
     family = family or family_for(reader.config, reader.meta)
     # expected shapes from the entries themselves: rows of a unit = sum of its projections' rows
@@ -123,10 +123,10 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
 
     ``dtype``: what the runtime computes in (``zipmoe.load(dtype=...)``): float32 experts cost
     4 bytes per value in the full pool and in flight. ``device``: on CUDA each tensor in flight
-    also has a pinned host staging buffer of its bf16 bytes (runtime.serve.core).
+    also has a pinned host staging buffer of its bf16 bytes (runtime.engine.core).
     """
-    from zipmoe.runtime.serve.dtypes import ITEMSIZE, compute_dtype
-    from zipmoe.runtime.serve.families import family_for
+    from zipmoe.runtime.engine.dtypes import ITEMSIZE, compute_dtype
+    from zipmoe.runtime.engine.families import family_for
 
     meta_model = reader.meta.get("model") or {}
     family = family_for(reader.config, reader.meta)
@@ -136,7 +136,7 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     sparse_layers = sorted({l for l, _ in experts})
     num_experts = int(meta_model.get("num_experts") or (max(e for _, e in experts) + 1))
     top_k = meta_model.get("top_k")
-    if not isinstance(top_k, int) or top_k < 1:  # as runtime.serve.loader: config keys, else top-1 (Switch)
+    if not isinstance(top_k, int) or top_k < 1:  # as runtime.engine.loader: config keys, else top-1 (Switch)
         cfg = reader.config or {}
         top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
     # the mean expert, unit by unit
@@ -151,7 +151,7 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     dtype_name = compute_dtype(dtype, reader.config or {})
     itemsize = ITEMSIZE[dtype_name]
     cuda = str(device).startswith("cuda")
-    # runtime.serve.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
+    # runtime.engine.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
     working = max(sum(t.full_bytes + t.staging_bytes() + (itemsize * t.numel if itemsize != 2 else 0)
                       + (t.full_bytes if cuda else 0) for t in ts) for ts in experts.values())
     max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)

@@ -125,7 +125,7 @@ def measure_disk_readers(path, ranges: list[tuple[int, int]], readers: int, seco
     that the drive's own cache rarely answers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from zipmoe.runtime.serve.reads import ExpertStore
+    from zipmoe.runtime.engine.reads import ExpertStore
 
     readers = max(1, int(readers))
     rng = random.Random(seed)
@@ -160,10 +160,10 @@ def measure_disk_readers(path, ranges: list[tuple[int, int]], readers: int, seco
 
 def measure_decomp(reader, tensors, seconds: float = 0.5) -> dict:
     """One worker decoding real expert tensors' E chunks into a preallocated buffer, with the
-    function serving runs (:func:`zipmoe.runtime.serve.decode.decode_exp_into`, checksums
+    function serving runs (:func:`zipmoe.runtime.engine.decode.decode_exp_into`, checksums
     checked): bf16 bytes per second. ``tensors``: runtime ExpertTensors (plan.layout.expert_tensors)."""
     from zipmoe.codecs.exponent import DecodeContext
-    from zipmoe.runtime.serve.decode import decode_exp_into
+    from zipmoe.runtime.engine.decode import decode_exp_into
 
     work = []
     for t in tensors:

@@ -10,7 +10,7 @@ that the CPS inclusion probability of every rank is its observed one (the update
 
 Pools. A plan gives each pool ``m_pool`` slots per sparse layer; slots are assigned by rank,
 hottest first, in the order ``full -> compressed -> sm_only -> e_only``, the rest are ``none``
-(misses). This is the order the runtime's cache converges to (runtime.serve.cache offers a used
+(misses). This is the order the runtime's cache converges to (runtime.engine.cache offers a used
 tensor to the pools best-first and evicts the least frequently used).
 
 Counts. With independent Bernoulli slots, the number of hits in one pool is Poisson-binomial;
@@ -32,7 +32,7 @@ from itertools import combinations
 import numpy as np
 
 from zipmoe.runtime.plan.simulate import Costs, makespan_for_counts
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["POOL_ORDER", "solve_cps", "cps_inclusion", "compositions", "MakespanTable", "LayerSet"]
 

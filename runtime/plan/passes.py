@@ -33,8 +33,8 @@ def miss_pass(model, rt, prompt, tokens: int) -> dict:
     (mean layer makespan, experts per layer, reads of misses: count, bytes, seconds)."""
     import torch
 
-    from zipmoe.runtime.serve.counters import DecodeClock
-    from zipmoe.runtime.serve.loop import loop_generate
+    from zipmoe.runtime.engine.counters import DecodeClock
+    from zipmoe.runtime.engine.loop import loop_generate
 
     # between two forward steps, forget every cached expert
     clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
@@ -71,9 +71,9 @@ def compressed_pass(model, rt, prompt, tokens: int) -> dict:
     layer and the share of fetched tensors that were compressed hits."""
     import torch
 
-    from zipmoe.runtime.serve.cache import ExpertCache
-    from zipmoe.runtime.serve.counters import DecodeClock
-    from zipmoe.runtime.serve.loop import loop_generate
+    from zipmoe.runtime.engine.cache import ExpertCache
+    from zipmoe.runtime.engine.counters import DecodeClock
+    from zipmoe.runtime.engine.loop import loop_generate
 
     old = rt.cache
     rt.cache = ExpertCache({"compressed": old.capacity_bytes()}, demote=None)
@@ -105,9 +105,9 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.plan.calibrate import load_kwargs
-    from zipmoe.runtime.serve.counters import DecodeClock
-    from zipmoe.runtime.serve.loop import loop_generate
-    from zipmoe.runtime.serve.loader import load
+    from zipmoe.runtime.engine.counters import DecodeClock
+    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loader import load
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
     budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))

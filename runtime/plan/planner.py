@@ -35,7 +35,7 @@ class Planner:
     def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int,
                  window: int | None = None, prefetch_recall: float | None = None) -> None:
         self.layout, self.stats, self.profile, self.workers = layout, stats, profile, int(workers)
-        # prefetch across layers (serve/prefetch.py), as the calibration pass measured it: the
+        # prefetch across layers (engine/prefetch.py), as the calibration pass measured it: the
         # share of a layer's chosen experts the predictor had named (None: prefetch off or unknown)
         self.prefetch_recall = None if prefetch_recall is None else min(1.0, max(0.0, float(prefetch_recall)))
         self.window = window
@@ -139,7 +139,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     for name, (slots, _) in res.singles.items():
         alternatives["no cache" if name == "none" else f"{name} only"] = planner.describe(slots)
     used = sum(chosen["pools"].values())
-    working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.serve.core)
+    working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.engine.core)
     prof_summary = {
         "source": profile_source,
         "path": profile_path,

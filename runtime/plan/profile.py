@@ -15,7 +15,7 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   measures memory, which is then what the disk is). Small (4 KiB) and expert-sized reads at
   random aligned offsets are fitted by least squares to ``t = latency + bytes / bw``
   (``disk.latency_s``, ``disk.bw``: queue depth 1). Then **at the runtime's queue depth**
-  (``disk.readers`` threads, :func:`~zipmoe.runtime.serve.loader.default_readers`, sharing
+  (``disk.readers`` threads, :func:`~zipmoe.runtime.engine.loader.default_readers`, sharing
   1 MiB pieces as serving reads them; ``disk.bw_readers``): the schedule model's one I/O
   channel stands for those readers together, so ``costs.disk_bw`` is the larger of the two
   rates and ``costs.disk_latency`` the queue-depth-1 latency divided by ``readers`` (that many
@@ -23,7 +23,7 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   are measured again.
 * **decompression**: one thread (= one decode worker) decodes the E chunks of real expert
   tensors with the container's codec into a preallocated buffer, with the function serving runs
-  (runtime.serve.decode.decode_exp_into, checksums checked): ``decomp_bw_per_worker`` counts
+  (runtime.engine.decode.decode_exp_into, checksums checked): ``decomp_bw_per_worker`` counts
   **bf16 bytes** (2 x numel) per second.
 * **merge**: ``zipmoe.kernels.merge`` (numba on the CPU, Triton on CUDA) of E and SM bytes into
   bf16 on the device, bf16 bytes per second.
@@ -140,7 +140,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         experts = [e for e in reader.entries if e.role == "expert" and e.dtype == "BF16"]
         tensors = [t for ts in expert_tensors(reader).values() for t in ts]
         sample = random.Random(1).sample(tensors, min(len(tensors), 24))
-        from zipmoe.runtime.serve.loader import default_readers
+        from zipmoe.runtime.engine.loader import default_readers
 
         extents = [tuple(e.extent) for e in experts]
         disk = measure_disk(path, extents, seconds=1.0 * scale)
@@ -164,7 +164,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             "merge": merge,
             "compute": compute,
         }
-    # where the runtime merges: on the CPU device the decode workers do it (runtime.serve.scheduler);
+    # where the runtime merges: on the CPU device the decode workers do it (runtime.engine.scheduler);
     # on CUDA the device does, with the Triton kernel
     on_workers = not device.startswith("cuda") or merge["kernel"] != "triton"
     prof["merge"]["where"] = "workers" if on_workers else "device"
@@ -272,7 +272,7 @@ def get_profile(container_path, container_id: str, device: str = "cpu", profile_
         prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
         save_profile(prof, p)
         return prof, "measured"
-    from zipmoe.runtime.serve.loader import default_readers
+    from zipmoe.runtime.engine.loader import default_readers
 
     p = default_profile_path(container_id, device, dtype)
     if p.exists() and not remeasure:

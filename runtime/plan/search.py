@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipmoe.runtime.plan.model import compositions
-from zipmoe.runtime.serve.states import POOLS
+from zipmoe.runtime.engine.states import POOLS
 
 __all__ = ["POOLS", "SearchResult", "search", "single_pool_plans"]
 

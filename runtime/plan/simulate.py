@@ -27,7 +27,7 @@ which the idle workers share, and the tensor is decompressed when its last job e
 decompress while its SM bytes were read; the runtime does neither, and the model overcharged
 misses against ``e_only`` hits by about 2x on the GPU: docs/benchmarks.md §7.)
 
-``Costs.merge_on_workers=True`` models the CPU runtime (runtime.serve.scheduler on a CPU device): the
+``Costs.merge_on_workers=True`` models the CPU runtime (runtime.engine.scheduler on a CPU device): the
 worker that decompresses a tensor merges it in the same job (decompress+merge is one worker op,
 at ``decomp_s + merge_s``), which starts once E *and* SM are in memory (so an ``e_only`` job
 waits for its SM read), and the device only computes. An expert (all tensors sharing a
@@ -56,7 +56,7 @@ What the numbers count (normative; runtime.plan.micro and runtime.plan.passes me
   chunk (numel bytes; default ``nbytes // 2``).
 - ``Costs.disk_bw``: stored bytes per second of cold reads (O_DIRECT) at the runtime's queue
   depth: the one I/O channel here is the runtime's reader threads together, which share every
-  read's pieces (runtime.serve.reads). ``Costs.disk_latency``: seconds added to every read
+  read's pieces (runtime.engine.reads). ``Costs.disk_latency``: seconds added to every read
   request (plan/profile.py measures it at queue depth 1 and divides it by the readers, whose
   requests overlap). A read of ``n`` bytes takes ``disk_latency + n / disk_bw``.
 - ``Costs.decomp_bw_per_worker``: bf16 bytes (``Task.nbytes``, as in DESIGN.md's codec table,
@@ -89,7 +89,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from zipmoe.runtime.serve.order import _READS, STATES, Task, order  # noqa: F401 (STATES, Task and order are re-exported for the planner)
+from zipmoe.runtime.engine.order import _READS, STATES, Task, order  # noqa: F401 (STATES, Task and order are re-exported for the planner)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def schedule(tasks: Sequence[Task], L: int, costs: Costs, window: int | None = N
     """Run the greedy list schedule of :func:`order` as a discrete-event simulation.
 
     ``window``: at most this many experts that need loading are in flight at once (issued, not
-    yet computed), as runtime.serve.core bounds its working buffers; experts are issued in priority
+    yet computed), as runtime.engine.core bounds its working buffers; experts are issued in priority
     order and the next one enters when one computes. None: no limit.
     """
     tasks = list(tasks)

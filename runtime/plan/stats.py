@@ -1,6 +1,6 @@
 """Activation statistics for the planner: expert popularity by rank, per sparse layer.
 
-Input: activation traces (runtime.serve.trace, JSON lines: a header ``{"container_id",
+Input: activation traces (runtime.engine.trace, JSON lines: a header ``{"container_id",
 "num_layers", "num_experts", "top_k", ...}``, then one line per forward step ``{"layers":
 {"<layer>": [[expert ids of token 0], ...]}}``).
 
@@ -122,7 +122,7 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
     Raises :class:`ModelError` for a trace recorded on another model (container id, expert
     count or top-k disagree) and :class:`UsageError` for a file that is not a trace.
     """
-    from zipmoe.runtime.serve.trace import read_trace
+    from zipmoe.runtime.engine.trace import read_trace
 
     counts = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}
     decode = {l: np.zeros(num_experts, dtype=np.int64) for l in layers}

@@ -2,7 +2,7 @@
 with the Triton kernel, one merge, on the copy stream: :mod:`.staging`), the weights in the
 compute dtype, and offering the tensor's forms to the cache; and
 :func:`demote`, the cache's cascade of those forms. A mixin of
-:class:`zipmoe.runtime.serve.scheduler.LayerScheduler`."""
+:class:`zipmoe.runtime.engine.scheduler.LayerScheduler`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import time
 
 import numpy as np
 
-from zipmoe.runtime.serve.staging import own_device
+from zipmoe.runtime.engine.staging import own_device
 
 __all__ = ["DeviceSide", "demote"]
 
 
 class DeviceSide:
     """Serving-thread steps of :class:`LayerScheduler` (uses its ``rt``, ``device``, ``cuda``,
-    ``device_merge`` and ``copies``, a :class:`zipmoe.runtime.serve.staging.CopyStream`)."""
+    ``device_merge`` and ``copies``, a :class:`zipmoe.runtime.engine.staging.CopyStream`)."""
 
     def _stage_group(self, g) -> None:
         """Every fetch of ``g`` is decoded into its staging slot: queue the slot's copy (and the

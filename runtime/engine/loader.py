@@ -14,7 +14,7 @@ Steps (each a function below):
    to the dtype transformers would give them, and assign them (``load_state_dict(assign=True)``);
    tie weights; every parameter that is not an expert weight must now be real (ModelError
    otherwise). Expert parameters stay on meta and are never touched;
-6. build the :class:`~zipmoe.runtime.serve.core.Runtime` under the budget and attach it:
+6. build the :class:`~zipmoe.runtime.engine.core.Runtime` under the budget and attach it:
    ``model.zipmoe``, and ``module._zipmoe_runtime`` / ``_zipmoe_layer`` on each experts module
    (SwitchTransformers' experts modules are replaced by :class:`.experts_hook.SwitchExperts`).
 """
@@ -34,9 +34,9 @@ from zipmoe.errors import ContainerError, ModelError, UsageError
 from zipmoe import machine
 from zipmoe.units import parse_size
 
-from zipmoe.runtime.serve import dtypes
-from zipmoe.runtime.serve.experts_hook import FAST_IMPLEMENTATION, IMPLEMENTATION, SwitchExperts, register
-from zipmoe.runtime.serve.families import Family, family_for
+from zipmoe.runtime.engine import dtypes
+from zipmoe.runtime.engine.experts_hook import FAST_IMPLEMENTATION, IMPLEMENTATION, SwitchExperts, register
+from zipmoe.runtime.engine.families import Family, family_for
 
 __all__ = ["load", "requirements", "resolve_device", "params_on_meta"]
 
@@ -225,7 +225,7 @@ def requirements(path, *, workers: int | None = None, device="cpu", dtype="bfloa
 
 
 def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
-    """:func:`zipmoe.runtime.serve.dtypes.compute_dtype` as a torch dtype (a torch dtype passes through)."""
+    """:func:`zipmoe.runtime.engine.dtypes.compute_dtype` as a torch dtype (a torch dtype passes through)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     return getattr(torch, dtypes.compute_dtype(dtype, cfg))
@@ -294,7 +294,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         if tuple(entry.shape) != tuple(target.shape):  # before anything is decoded
             raise ModelError(f"tensor {entry.name} has shape {list(entry.shape)}; the model expects {list(target.shape)}")
         to_load.append((entry, key, target))
-    from zipmoe.runtime.serve.staging import cuda_block_bytes
+    from zipmoe.runtime.engine.staging import cuda_block_bytes
 
     dense_bytes = 0
     seen = set()
@@ -308,8 +308,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
             seen.add(key)
 
     # --- expert tensors and the budget check, before decoding anything large
-    from zipmoe.runtime.serve.core import Runtime
-    from zipmoe.runtime.serve.tensors import build_expert_tensors
+    from zipmoe.runtime.engine.core import Runtime
+    from zipmoe.runtime.engine.tensors import build_expert_tensors
 
     expected = {}
     for name, mod, layer in experts:
@@ -331,10 +331,10 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
                 raise ModelError(f"the container has no weights for layer {layer} expert {e}")
     meta_model = reader.meta.get("model") or {}
     if dry:
-        from zipmoe.runtime.serve.core import dry_requirements
+        from zipmoe.runtime.engine.core import dry_requirements
 
         return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
-    from zipmoe.runtime.serve.memlimit import check as check_memory, kv_cache_bytes
+    from zipmoe.runtime.engine.memlimit import check as check_memory, kv_cache_bytes
 
     if force is None:
         force = os.environ.get("ZIPMOE_FORCE", "") not in ("", "0")
@@ -415,7 +415,7 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
 def default_readers() -> int:
     """The reader threads (queue depth) a load without ``readers=`` uses: ``ZIPMOE_READERS``, else
     :data:`reads.DEFAULT_READERS`."""
-    from zipmoe.runtime.serve.reads import DEFAULT_READERS
+    from zipmoe.runtime.engine.reads import DEFAULT_READERS
 
     return _env_int("ZIPMOE_READERS") or DEFAULT_READERS
 
@@ -442,7 +442,7 @@ def _default_prefetch(dev) -> bool:
 def _attach_predictor(model, rt, experts, num_experts: int) -> None:
     """The prefetch predictor from the sparse layers' routers (``serve.prefetch``); none when
     every expert fits whole in the full pool (nothing to prefetch) or a router is not found."""
-    from zipmoe.runtime.serve.prefetch import RouterPredictor, find_router
+    from zipmoe.runtime.engine.prefetch import RouterPredictor, find_router
 
     if rt.pools.get("full", 0) >= rt.expert_bytes_full:
         return

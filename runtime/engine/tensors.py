@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zipmoe.errors import ContainerError, ModelError
-from zipmoe.runtime.serve.reads import ALIGN, _coalesce, reuse_slack
+from zipmoe.runtime.engine.reads import ALIGN, _coalesce, reuse_slack
 
 
 @dataclass

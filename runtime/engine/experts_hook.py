@@ -42,7 +42,7 @@ __all__ = ["zipmoe_experts_forward", "register", "SwitchExperts", "IMPLEMENTATIO
 
 IMPLEMENTATION = "zipmoe"
 # ``kernels="fast"`` (``--kernels fast``): transformers' own grouped_mm experts function over the
-# layer's experts as they sit in the full pool's slot tensor (serve/slots.py); bit-identical to
+# layer's experts as they sit in the full pool's slot tensor (engine/slots.py); bit-identical to
 # transformers with ``experts_implementation="grouped_mm"``, not to the eager loop
 FAST_IMPLEMENTATION = "zipmoe_grouped_mm"
 
@@ -116,7 +116,7 @@ def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
 def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     hook = getattr(self, "_zipmoe_break", None)
-    if hook is not None:  # a CUDA graph capture breaks here (serve/graphs.py)
+    if hook is not None:  # a CUDA graph capture breaks here (engine/graphs.py)
         return hook(self, hidden_states, top_k_index, top_k_weights)
     rt = self._zipmoe_runtime
     layer = self._zipmoe_layer

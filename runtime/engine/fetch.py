@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from zipmoe.runtime.serve.order import Task, order as priority_order
-from zipmoe.runtime.serve.tensors import ExpertTensor
+from zipmoe.runtime.engine.order import Task, order as priority_order
+from zipmoe.runtime.engine.tensors import ExpertTensor
 
 __all__ = ["issue_order", "expert_type", "PREFETCH_RANK"]
 
@@ -63,7 +63,7 @@ class _Fetch:
         self.e_parts = None
         self.sm_parts = None
         self.host = None  # CUDA: the bf16 staging (host merge) or E / SM halves (device merge), views
-        self.exp_host = None  # of the group's staging ring slot (serve/staging.py)
+        self.exp_host = None  # of the group's staging ring slot (engine/staging.py)
         self.sm_host = None
         self.w = None  # the tensor the expert computes with (out, or out converted to the compute dtype)
         self.ranges: list = []  # the file ranges it reads (coalesced), one buffer each
@@ -101,7 +101,7 @@ class _Group:
         self.errors: list = []
         self.dropped = False
         self.released = False
-        # the device side (serve/staging.py): its staging ring slot until staged, the elements of
+        # the device side (engine/staging.py): its staging ring slot until staged, the elements of
         # its buffers, its device buffer (the tensors' ``out`` are views of it), the copy's event
         self.slot = None
         self.n = 0

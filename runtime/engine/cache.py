@@ -13,7 +13,7 @@ e_only     its E chunks                             ``e_bytes`` (about 16%)
 
 Every expert tensor is in at most one pool (its *state*; none = a miss). Each pool has a byte
 capacity; the sum of the capacities is what the budget leaves after the dense weights and the
-working set (see :mod:`zipmoe.runtime.serve.core`).
+working set (see :mod:`zipmoe.runtime.engine.core`).
 
 Policy. Each tensor has an activation count (incremented once per layer call that uses it)
 and a last-use clock. After a tensor has been used, it is *offered* to the pools above its
@@ -80,7 +80,7 @@ class Pool:
         self.items: dict[int, tuple[int, object]] = {}  # uid -> (nbytes, data)
         self.buckets: dict[int, OrderedDict] = {}  # count -> residents, least recent first
         self.counts: list[int] = []  # the keys of ``buckets``, ascending
-        # optional hooks (the full pool's device slots, serve/slots.py): adopt(uid, data) -> the
+        # optional hooks (the full pool's device slots, engine/slots.py): adopt(uid, data) -> the
         # data to keep; release(uid, data) when a tensor leaves the pool
         self.adopt = None
         self.release = None

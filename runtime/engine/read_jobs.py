@@ -1,13 +1,13 @@
 """The I/O side of a fetch, on the reader threads: read its ranges (split into pieces the readers
 share), make the E / SM views, then queue its decode. A mixin of
-:class:`zipmoe.runtime.serve.scheduler.LayerScheduler`."""
+:class:`zipmoe.runtime.engine.scheduler.LayerScheduler`."""
 
 from __future__ import annotations
 
 import time
 
-from zipmoe.runtime.serve.fetch import _Cancelled, _Fetch, _Latch, _reads_of
-from zipmoe.runtime.serve.reads import slice_of
+from zipmoe.runtime.engine.fetch import _Cancelled, _Fetch, _Latch, _reads_of
+from zipmoe.runtime.engine.reads import slice_of
 
 __all__ = ["ReadJobs"]
 

@@ -46,7 +46,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from zipmoe.runtime.serve.hf_compat import cache_kw
+from zipmoe.runtime.engine.hf_compat import cache_kw
 
 __all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
 
@@ -222,7 +222,7 @@ class _Grouped:
 class GraphedStep:
     """``step(input_ids, cache_position, attention_mask=None) -> logits`` from CUDA graphs.
 
-    With ``context=`` (how :class:`zipmoe.runtime.serve.loop.DecodeLoop` builds it) the step
+    With ``context=`` (how :class:`zipmoe.runtime.engine.loop.DecodeLoop` builds it) the step
     follows the loop's hook instead: ``step(input_ids [batch, 1], position_ids [batch, 1],
     attention_mask) -> [batch, vocab]`` logits of what ``DecodeLoop.forward`` computes
     (``position_ids`` and ``logits_to_keep=1`` passed to the model; the mask None or the
@@ -440,14 +440,14 @@ class GraphedStep:
             t0 = time.perf_counter()
             self._routing_to_host(sp)
             self._event.synchronize()
-            from zipmoe.runtime.serve.experts_hook import routed_indices
+            from zipmoe.runtime.engine.experts_hook import routed_indices
 
             experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
             if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
                 sp.grouped.run(sp, experts, index, sizes, self.slots)
                 return self._graphed_hits(sp, experts, t0)
         # the host path: the runtime's experts function (fetches misses), its output replaces the graph's
-        from zipmoe.runtime.serve.experts_hook import zipmoe_experts_forward
+        from zipmoe.runtime.engine.experts_hook import zipmoe_experts_forward
 
         hook = getattr(sp.module, "_zipmoe_break", None)
         sp.module._zipmoe_break = None

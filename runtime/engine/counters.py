@@ -26,7 +26,7 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
 * ``time_s``: seconds spent per stage, summed over the threads that did it: ``read`` (I/O
   thread), ``decode`` (decompression, workers), ``merge`` (E+SM -> bf16), ``compute`` (expert
   forward, serving thread), ``stage`` (serving thread queueing a decoded expert's copy to the
-  device, and its device merge, on the copy stream: ``serve/staging.py``), ``wait`` (serving
+  device, and its device merge, on the copy stream: ``engine/staging.py``), ``wait`` (serving
   thread blocked on the pipeline), ``admit``
   (serving thread placing fetched tensors in the cache pools, copies included)
 * ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
@@ -42,7 +42,7 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
   ``dropped`` (it did not: read for nothing) and ``failed`` (a dropped one whose bytes were bad:
   never raised, the layer did not need it)
 * ``staging_waits``: times the serving thread waited for a copy to the device to finish before
-  it could reuse that staging slot (CUDA; ``serve/staging.py``): 0 when the ring never runs
+  it could reuse that staging slot (CUDA; ``engine/staging.py``): 0 when the ring never runs
   ahead of the copy stream
 """
 
@@ -52,7 +52,7 @@ import copy
 import threading
 import time
 
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 

@@ -1,14 +1,14 @@
 """The decode side of a fetch, on the decode workers: decompress E (and SM), merge on the CPU
 or stage for the device merge, a tensor split into one job per E chunk when workers can share it.
-A mixin of :class:`zipmoe.runtime.serve.scheduler.LayerScheduler`."""
+A mixin of :class:`zipmoe.runtime.engine.scheduler.LayerScheduler`."""
 
 from __future__ import annotations
 
 import time
 
 from zipmoe.codecs.checksum import verify_chunk
-from zipmoe.runtime.serve.decode import decode_e_chunk, decode_exp_into, decode_into, u16_view
-from zipmoe.runtime.serve.fetch import _Cancelled, _Fetch, _Latch
+from zipmoe.runtime.engine.decode import decode_e_chunk, decode_exp_into, decode_into, u16_view
+from zipmoe.runtime.engine.fetch import _Cancelled, _Fetch, _Latch
 
 __all__ = ["DecodeJobs"]
 

@@ -3,7 +3,7 @@
 :func:`chat_inputs` builds the model inputs of a conversation (``[{"role", "content"}, ...]``)
 with the tokenizer's chat template (a plain ``role: text`` transcript when the tokenizer has
 none). :func:`generate_turn` runs the turn on zipmoe's decode loop
-(:class:`zipmoe.runtime.serve.loop.DecodeLoop`, a static KV cache): pass ``loop=`` to keep the
+(:class:`zipmoe.runtime.engine.loop.DecodeLoop`, a static KV cache): pass ``loop=`` to keep the
 conversation's cache across turns (``reuse=True`` prefills only what the cache does not hold
 yet); without one, a loop sized for this turn is made. Encoder-decoder models, and
 ``engine="generate"`` (the path before the loop, kept for comparison), run ``model.generate``.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zipmoe.runtime.serve.counters import delta
+from zipmoe.runtime.engine.counters import delta
 
 __all__ = ["TurnResult", "chat_inputs", "generate_turn"]
 
@@ -114,7 +114,7 @@ def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, 
                                  temperature=temperature, top_p=top_p, seed=seed, on_text=on_text)
     if engine != "loop":
         raise ValueError(f"unknown engine {engine!r} (loop or generate)")
-    from zipmoe.runtime.serve.loop import DecodeLoop
+    from zipmoe.runtime.engine.loop import DecodeLoop
 
     rt = getattr(model, "zipmoe", None)
     ids = inputs["input_ids"]

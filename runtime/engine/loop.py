@@ -26,7 +26,7 @@ query see them) and prefills only the rest. At least one token is always fed, so
 the cache holds entirely recomputes its last token. A prompt plus answer that does not fit the
 cache raises :class:`ContextFull` (a :class:`zipmoe.errors.UsageError`: one line for the user).
 
-The interface to the CUDA graphs (``runtime/serve/graphs.py``, by the CUDA side):
+The interface to the CUDA graphs (``runtime/engine/graphs.py``, by the CUDA side):
 
 - ``graphs.supported(model, batch: int) -> bool``: whether a graphed step exists for this model
   on this device at this batch size. Never raises.
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime.serve.hf_compat import cache_kw, crop
+from zipmoe.runtime.engine.hf_compat import cache_kw, crop
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "kv_cache_bytes",
            "loop_generate", "model_max_context"]
@@ -233,7 +233,7 @@ class DecodeLoop:
         mod = None
         if self.device.type == "cuda":
             try:
-                from zipmoe.runtime.serve import graphs as mod  # written beside this module (CUDA graphs)
+                from zipmoe.runtime.engine import graphs as mod  # written beside this module (CUDA graphs)
             except ImportError:
                 mod = None
         ok = False

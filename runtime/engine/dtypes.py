@@ -3,7 +3,7 @@
 ``auto`` is config.json's dtype (``dtype`` or ``torch_dtype``; bfloat16 when it names none the
 runtime computes in); ``bfloat16``/``bf16``, ``float16``/``fp16``, ``float32``/``fp32`` name
 themselves; anything else is a :class:`~zipmoe.errors.UsageError`. The loader turns the name into
-a torch dtype (:func:`zipmoe.runtime.serve.loader.resolve_dtype`), the planner into bytes per value.
+a torch dtype (:func:`zipmoe.runtime.engine.loader.resolve_dtype`), the planner into bytes per value.
 """
 
 from __future__ import annotations

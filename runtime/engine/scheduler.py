@@ -51,12 +51,12 @@ import torch
 
 from zipmoe.errors import ContainerError, ServingError, ZipmoeError
 
-from zipmoe.runtime.serve.decode_jobs import DecodeJobs
-from zipmoe.runtime.serve.device_side import DeviceSide
-from zipmoe.runtime.serve.fetch import PREFETCH_RANK, _Cancelled, _Fetch, _Group, _reads_of, expert_type, issue_order
-from zipmoe.runtime.serve.read_jobs import ReadJobs
-from zipmoe.runtime.serve.staging import CopyStream, StagingRing, cuda_block_bytes
-from zipmoe.runtime.serve.workers import PriorityWorkers, _one_line
+from zipmoe.runtime.engine.decode_jobs import DecodeJobs
+from zipmoe.runtime.engine.device_side import DeviceSide
+from zipmoe.runtime.engine.fetch import PREFETCH_RANK, _Cancelled, _Fetch, _Group, _reads_of, expert_type, issue_order
+from zipmoe.runtime.engine.read_jobs import ReadJobs
+from zipmoe.runtime.engine.staging import CopyStream, StagingRing, cuda_block_bytes
+from zipmoe.runtime.engine.workers import PriorityWorkers, _one_line
 
 __all__ = ["LayerScheduler"]
 
@@ -187,7 +187,7 @@ class LayerScheduler(ReadJobs, DecodeJobs, DeviceSide):
         into[key] = g
         fl = [f for f in g.fetches if f is not None]
         if self.cuda:
-            # one staging slot, one device buffer for the whole expert (serve/staging.py)
+            # one staging slot, one device buffer for the whole expert (engine/staging.py)
             cs = self.copies
             offs, g.n = cs.layout([f.tensor for f in fl])
             need += cuda_block_bytes(2 * g.n) if self.device.type == "cuda" else 2 * g.n

@@ -25,7 +25,7 @@ splits from traces and measured costs.
 
 On CUDA the full pool lives in GPU memory and the other pools in host memory; the budget counts
 both, and counts device tensors as torch's caching allocator rounds them (512 bytes, 2 MiB above
-10 MiB: :func:`zipmoe.runtime.serve.staging.cuda_block_bytes`). Every copy to the device goes
+10 MiB: :func:`zipmoe.runtime.engine.staging.cuda_block_bytes`). Every copy to the device goes
 through the pinned staging ring (``window`` slots of the largest expert's staged bytes, page
 rounded, counted whole); the host pools stay pageable (their bytes are copied into the ring by
 the decode workers, which pass over them anyway), so pinning them would buy nothing.
@@ -45,12 +45,12 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from zipmoe.runtime.serve.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
-from zipmoe.runtime.serve.counters import Counters
-from zipmoe.runtime.serve.device_side import demote
-from zipmoe.runtime.serve.scheduler import LayerScheduler
-from zipmoe.runtime.serve.reads import DEFAULT_READERS, ExpertStore
-from zipmoe.runtime.serve.trace import TraceWriter
+from zipmoe.runtime.engine.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
+from zipmoe.runtime.engine.counters import Counters
+from zipmoe.runtime.engine.device_side import demote
+from zipmoe.runtime.engine.scheduler import LayerScheduler
+from zipmoe.runtime.engine.reads import DEFAULT_READERS, ExpertStore
+from zipmoe.runtime.engine.trace import TraceWriter
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
 
@@ -94,12 +94,12 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
     """``(expert_working, scratch, staging slot bytes)``.
 
     ``expert_working``: what one expert in flight holds at most. On the CPU: its tensors'
-    :func:`working_bytes_of`. On CUDA (serve/staging.py) the bf16 merge buffers are one device
+    :func:`working_bytes_of`. On CUDA (engine/staging.py) the bf16 merge buffers are one device
     buffer per expert, counted as the CUDA allocator rounds it, plus the expert's slot in the
     pinned staging ring. ``scratch``: the workers' decode scratch and, on CUDA, the one device
     buffer the staged bytes land in before the device merge (allocator-rounded) and the ring's
     page rounding."""
-    from zipmoe.runtime.serve.staging import PAGE, CopyStream, cuda_block_bytes
+    from zipmoe.runtime.engine.staging import PAGE, CopyStream, cuda_block_bytes
 
     inflight, slot = [0], 0
     for ts in expert_tensors.values():
@@ -117,7 +117,7 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
 
 
 def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda: bool = False) -> dict:
-    """See :func:`zipmoe.runtime.serve.loader.requirements`."""
+    """See :func:`zipmoe.runtime.engine.loader.requirements`."""
     expert_working, scratch, _slot = _sizes(expert_tensors, workers, cuda)
     all_t = [t for ts in expert_tensors.values() for t in ts]
     full = sum(t.compute_bytes for t in all_t)
@@ -159,7 +159,7 @@ class Runtime:
         self.readers = DEFAULT_READERS if readers is None else max(1, int(readers))  # I/O threads: queue depth
         self.compute_dtype = compute_dtype
         self.counters = Counters()
-        # prefetch across layers (serve/prefetch.py): the loader sets the predictor once the
+        # prefetch across layers (engine/prefetch.py): the loader sets the predictor once the
         # routers are loaded; pointless when every expert fits whole in the full pool
         self.predictor = None
         self.prefetch = bool(prefetch)
@@ -200,11 +200,11 @@ class Runtime:
             else:
                 caps = {k: int(pool_bytes * f) for k, f in DEFAULT_SPLIT.items()}
             self.split_source = "default"
-        # the full pool as device slot tensors with an expert->slot map (serve/slots.py): on
+        # the full pool as device slot tensors with an expert->slot map (engine/slots.py): on
         # CUDA by default (what CUDA graphs gather from), anywhere with slots=True
         self.slots = None
         if (self.device.type == "cuda" if slots is None else slots) and caps.get("full", 0) > 0:
-            from zipmoe.runtime.serve.slots import SlotMap
+            from zipmoe.runtime.engine.slots import SlotMap
 
             self.slots = SlotMap(expert_tensors, caps["full"], compute_dtype, self.device, num_experts)
             caps["full"] = self.slots.nbytes  # the arenas' bytes, at most what the split gave
@@ -215,10 +215,10 @@ class Runtime:
         self.cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
         if self.slots is not None:
             self.slots.attach(self.cache)
-        # on CUDA: the pinned staging ring, one slot per expert in flight (serve/staging.py)
+        # on CUDA: the pinned staging ring, one slot per expert in flight (engine/staging.py)
         self.staging = None
         if self.device.type == "cuda":
-            from zipmoe.runtime.serve.staging import StagingRing
+            from zipmoe.runtime.engine.staging import StagingRing
 
             self.staging = StagingRing(self.window, self.staging_slot_bytes, pin=True)
         self.store = ExpertStore(self.path, self.counters, direct=direct_io)
@@ -353,8 +353,8 @@ class Runtime:
                     continue  # this kind's slots are full (another kind may still have room)
                 from zipmoe.codecs.exponent import DecodeContext
 
-                from zipmoe.runtime.serve.decode import decode_into, u16_view
-                from zipmoe.runtime.serve.reads import slice_of
+                from zipmoe.runtime.engine.decode import decode_into, u16_view
+                from zipmoe.runtime.engine.reads import slice_of
 
                 bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
                 e_parts = [slice_of(bufs, s.e_range) for s in t.segments]

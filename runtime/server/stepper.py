@@ -17,7 +17,7 @@ only:
 
 **A lone request** (``alone=True``: the engine asks so when nothing else runs and the request
 fits :meth:`TransformersStepper.fits_loop`) decodes on zipmoe's own decode loop
-(:class:`zipmoe.runtime.serve.loop.DecodeLoop`: a static KV cache of ``context`` positions,
+(:class:`zipmoe.runtime.engine.loop.DecodeLoop`: a static KV cache of ``context`` positions,
 allocated once, CUDA graphs where they apply) exactly as ``zipmoe chat`` decodes a turn, so its
 greedy tokens are ``zipmoe chat --greedy``'s, and the loop's KV cache is kept between requests:
 a request whose prompt extends the last one (the whole previous prompt, then more: a
@@ -83,7 +83,7 @@ class LoopBatch:
 
 
 class TransformersStepper:
-    """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.serve.loader.load`).
+    """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.engine.loader.load`).
 
     ``context``: the lone-request decode loop's KV cache in tokens (clamped to the model's
     limit; its bytes, ``loop.kv_bytes``, come on top of the budget); None: no loop, every request on
@@ -103,7 +103,7 @@ class TransformersStepper:
         self.reused = 0  # prompt tokens the last prefill took from the loop's cache
         self._prompt_len = 0  # the prompt the loop's cache was last filled from
         if context:
-            from zipmoe.runtime.serve.loop import DecodeLoop
+            from zipmoe.runtime.engine.loop import DecodeLoop
 
             self.loop = DecodeLoop(model, context=int(context), batch=1)
         # a lone row can join a batch when its static cache copies into a dynamic one
@@ -173,7 +173,7 @@ class TransformersStepper:
 
     # ------------------------------------------------------------------ the lone row
     def _prefill_loop(self, ids: list[int]):
-        from zipmoe.runtime.serve.loop import common_prefix
+        from zipmoe.runtime.engine.loop import common_prefix
 
         loop = self.loop
         held = loop.tokens[0]

@@ -108,7 +108,7 @@ class ServerState:
 
     def _load(self) -> None:
         from zipmoe.errors import UsageError
-        from zipmoe.runtime.serve.loader import load
+        from zipmoe.runtime.engine.loader import load
 
         from .stepper import TransformersStepper, context_length
 
@@ -180,7 +180,7 @@ class ServerState:
                               stop=body.stops(), seed=body.seed, ignore_eos=bool(body.ignore_eos))
 
     def chat_ids(self, conversation: list[dict]) -> list[int]:
-        from zipmoe.runtime.serve.generate import chat_inputs
+        from zipmoe.runtime.engine.generate import chat_inputs
 
         with self.tok_lock:
             try:

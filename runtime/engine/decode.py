@@ -16,7 +16,7 @@ import numpy as np
 
 from zipmoe.codecs.checksum import verify_chunk
 from zipmoe.errors import ContainerError
-from zipmoe.runtime.serve.tensors import ExpertTensor
+from zipmoe.runtime.engine.tensors import ExpertTensor
 
 
 def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np.ndarray, ctx,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zipmoe.runtime.serve.staging import cuda_block_bytes, own_device
+from zipmoe.runtime.engine.staging import cuda_block_bytes, own_device
 
 __all__ = ["SlotArena", "SlotMap"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from zipmoe.runtime.serve.states import STATES
+from zipmoe.runtime.engine.states import STATES
 
 TYPE_I = frozenset({"e_only", "none"})
 TYPE_II = frozenset({"compressed", "sm_only"})
