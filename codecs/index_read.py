@@ -38,7 +38,7 @@ def _int(d: dict, key: str, nullable: bool = False) -> int | None:
     if v is None and nullable:
         return None
     if type(v) is not int or v < 0 or v >= _BIG:
-        raise _Bad(f"field {key!r} must be a non-negative integer below 2^62, got {v!r}")
+        raise _Bad(f"field {key!r} must be a non-negative integer below 2^62, got {_short(v)}")
     return v
 
 
@@ -47,7 +47,7 @@ def _str(d: dict, key: str, nullable: bool = False) -> str | None:
     if v is None and nullable:
         return None
     if not isinstance(v, str):
-        raise _Bad(f"field {key!r} must be a string, got {v!r}")
+        raise _Bad(f"field {key!r} must be a string, got {_short(v)}")
     return v
 
 
@@ -85,25 +85,23 @@ def _entry(d) -> tuple:
         raise _Bad("a tensor is not an object")
     name = d.get("name")
     if not isinstance(name, str):
-        raise _Bad(f"a tensor has no name (field 'name' is {name!r})")
+        raise _Bad(f"a tensor has no name (field 'name' is {_short(name)})")
     try:
         dtype = d.get("dtype")
         size = DTYPE_SIZES.get(dtype) if isinstance(dtype, str) else None
         if size is None:
-            raise _Bad(f"unknown dtype {dtype!r}")
+            raise _Bad(f"unknown dtype {_short(dtype)}")
         shape = _shape(d, "shape")
         role = d.get("role")
         if role != "expert" and role != "dense":
-            raise _Bad(f"unknown role {role!r}")
+            raise _Bad(f"unknown role {_short(role)}")
         ext = d.get("extent")
         if not (type(ext) is list and len(ext) == 2 and all(type(x) is int and 0 <= x < _BIG for x in ext)):
             raise _Bad("extent must be [offset, length]")
         nbytes = _int(d, "nbytes")
-        n = size
-        for s in shape:
-            n *= s
+        n = size * _elements(shape)
         if nbytes != n:
-            raise _Bad(f"nbytes {nbytes} does not match shape {list(shape)} and dtype {dtype}")
+            raise _Bad(f"nbytes {nbytes} does not match shape {_short(list(shape))} and dtype {dtype}")
         e = TensorEntry(name, dtype, shape, role, _int(d, "layer", True), _int(d, "expert", True),
                         _str(d, "proj", True), _int(d, "fused_index", True), _shape(d, "source_shape"),
                         (ext[0], ext[1]), None, nbytes, _int(d, "source_index", True) or 0)
@@ -125,12 +123,12 @@ def _inline_chunks(entries: list, docs: list) -> tuple:
                 if type(c) is not dict:
                     raise _Bad("a chunk is not an object")
                 kind = c.get("kind")
-                if kind not in KIND_IDS:
-                    raise _Bad(f"unknown chunk kind {kind!r}")
+                if type(kind) is not str or kind not in KIND_IDS:
+                    raise _Bad(f"unknown chunk kind {_short(kind)}")
                 codec = _str(c, "codec")
                 if codec not in codec_ids:
                     raise UnknownCodecError(
-                        f"tensor {e.name} uses unknown codec {codec!r}: this zipmoe knows {', '.join(KNOWN_CODECS)}")
+                        f"tensor {e.name} uses unknown codec {_short(codec)}: this zipmoe knows {', '.join(KNOWN_CODECS)}")
                 try:
                     check = from_hex(_str(c, "checksum"))
                 except ValueError as exc:
@@ -179,14 +177,47 @@ def _table_chunks(counts: list, tdoc, data_end: int, read) -> ChunkTable:
     return ChunkTable(np.frombuffer(raw, CHUNK_RECORD), codecs)
 
 
-_COLUMNS = ("name", "dtype", "shape", "nbytes", "role", "layer", "expert", "proj", "fused_index", "source_shape",
-            "source_index", "extent_offset", "extent_length", "chunk_count")
 _NONE = type(None)
+_NONNEG = "a non-negative integer below 2^62"
+_DIMS = "a list of non-negative integers below 2^62"
+#: The element types each 1.1 column may hold, and what the message says it must be.
+_COLUMN_TYPES = {
+    "name": ({str}, "a string"), "dtype": ({str}, "a dtype name (a string)"), "shape": ({list}, _DIMS),
+    "nbytes": ({int}, _NONNEG), "role": ({str}, "'expert' or 'dense'"), "layer": ({int, _NONE}, "null or " + _NONNEG),
+    "expert": ({int, _NONE}, "null or " + _NONNEG), "proj": ({str, _NONE}, "null or a string"),
+    "fused_index": ({int, _NONE}, "null or " + _NONNEG), "source_shape": ({list}, _DIMS),
+    "source_index": ({int}, _NONNEG), "extent_offset": ({int}, _NONNEG), "extent_length": ({int}, _NONNEG),
+    "chunk_count": ({int}, _NONNEG),
+}
+_COLUMNS = tuple(_COLUMN_TYPES)
+
+
+def _short(v) -> str:
+    """``repr(v)``, cut to a length that fits an error line."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _elements(shape: tuple) -> int:
+    """The product of ``shape``, or ``_BIG`` once it reaches that (a long list of huge
+    dimensions would otherwise make a number of millions of digits)."""
+    if 0 in shape:
+        return 0
+    if len(shape) <= 16:
+        return math.prod(shape)
+    n = 1
+    for s in shape:
+        n *= s
+        if n >= _BIG:
+            return _BIG
+    return n
 
 
 def _columns(tdoc) -> tuple:
     """1.1: the tensor columns -> (entries without chunks, chunk counts), every field checked
-    column by column (no Python work per field per entry beyond building the entry)."""
+    column by column (no Python work per field per entry beyond building the entry): first the
+    element types of every column (so that no value of a wrong type is hashed, compared or
+    multiplied), then the values."""
     if type(tdoc) is not dict:
         raise _Bad("tensors must be an object of columns")
     cols = {}
@@ -200,43 +231,33 @@ def _columns(tdoc) -> tuple:
         if len(v) != n:
             raise _Bad(f"tensor column {k!r} has {len(v)} values, 'name' has {n}")
 
-    def first_bad(col: str, ok) -> None:
+    def first_bad(col: str, ok, must: str) -> None:
         i = next(i for i, x in enumerate(cols[col]) if not ok(x))
-        raise _Bad(f"tensor {cols['name'][i] if col != 'name' else i}: field {col!r} is {cols[col][i]!r}")
+        who = f"tensor {cols['name'][i]}" if col != "name" else f"tensor number {i}"
+        raise _Bad(f"{who}: field {col!r} must be {must}, got {_short(cols[col][i])}")
 
-    def ints(col: str, nullable: bool = False) -> None:
-        types = set(map(type, cols[col]))
-        allowed = {int, _NONE} if nullable else {int}
-        vals = [x for x in cols[col] if x is not None] if nullable else cols[col]
-        if not types <= allowed or (vals and (min(vals) < 0 or max(vals) >= _BIG)):
-            first_bad(col, lambda x: (x is None and nullable) or (type(x) is int and 0 <= x < _BIG))
-
-    if not set(map(type, cols["name"])) <= {str}:
-        first_bad("name", lambda x: type(x) is str)
+    for k, (types, must) in _COLUMN_TYPES.items():  # "name" first: the other messages name the entry
+        if not set(map(type, cols[k])) <= types:
+            first_bad(k, lambda x: type(x) in types, must)
     names = cols["name"]
-    for k in ("nbytes", "source_index", "extent_offset", "extent_length", "chunk_count"):
-        ints(k)
-    for k in ("layer", "expert", "fused_index"):
-        ints(k, True)
-    if not set(cols["dtype"]) <= set(DTYPE_SIZES) or not set(map(type, cols["dtype"])) <= {str}:
-        first_bad("dtype", lambda x: type(x) is str and x in DTYPE_SIZES)
-    if not set(map(type, cols["role"])) <= {str} or not set(cols["role"]) <= {"expert", "dense"}:
-        first_bad("role", lambda x: x in ("expert", "dense"))
-    if not set(map(type, cols["proj"])) <= {str, _NONE}:
-        first_bad("proj", lambda x: x is None or type(x) is str)
+    for k, (types, must) in _COLUMN_TYPES.items():
+        if int in types:
+            vals = [x for x in cols[k] if x is not None] if _NONE in types else cols[k]
+            if vals and (min(vals) < 0 or max(vals) >= _BIG):
+                first_bad(k, lambda x: x is None or 0 <= x < _BIG, must)
+    if not set(cols["dtype"]) <= set(DTYPE_SIZES):
+        first_bad("dtype", lambda x: x in DTYPE_SIZES, f"one of {', '.join(DTYPE_SIZES)}")
+    if not set(cols["role"]) <= {"expert", "dense"}:
+        first_bad("role", lambda x: x in ("expert", "dense"), "'expert' or 'dense'")
     for k in ("shape", "source_shape"):
-        col = cols[k]
-        ok = set(map(type, col)) <= {list}
-        if ok:
-            flat = list(itertools.chain.from_iterable(col))
-            ok = set(map(type, flat)) <= {int} and (not flat or (min(flat) >= 0 and max(flat) < _BIG))
-        if not ok:
-            first_bad(k, lambda x: type(x) is list and all(type(d) is int and 0 <= d < _BIG for d in x))
+        flat = list(itertools.chain.from_iterable(cols[k]))
+        if not set(map(type, flat)) <= {int} or (flat and (min(flat) < 0 or max(flat) >= _BIG)):
+            first_bad(k, lambda x: all(type(d) is int and 0 <= d < _BIG for d in x), _DIMS)
     shapes = list(map(tuple, cols["shape"]))
-    want = [math.prod(sh) * DTYPE_SIZES[dt] for sh, dt in zip(shapes, cols["dtype"])]
+    want = [_elements(sh) * DTYPE_SIZES[dt] for sh, dt in zip(shapes, cols["dtype"])]
     if want != cols["nbytes"]:
         i = next(i for i, (a, b) in enumerate(zip(want, cols["nbytes"])) if a != b)
-        raise _Bad(f"tensor {names[i]}: nbytes {cols['nbytes'][i]} does not match shape {list(shapes[i])} "
+        raise _Bad(f"tensor {names[i]}: nbytes {cols['nbytes'][i]} does not match shape {_short(list(shapes[i]))} "
                    f"and dtype {cols['dtype'][i]}")
     entries = [TensorEntry(*row) for row in zip(
         names, cols["dtype"], shapes, cols["role"], cols["layer"], cols["expert"], cols["proj"], cols["fused_index"],

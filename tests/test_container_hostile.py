@@ -10,6 +10,7 @@ docs/format.md 4.1), so the runtime refuses exactly as verify does.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -245,3 +246,112 @@ def test_dense_shape_against_the_model_is_checked_before_decoding(mixtral, capsy
                        "--workers", "1", "--threads", "1")
     _one_line(["chat"], code, err, "layers.0.self_attn.o_proj.weight has shape", "the model expects")
     assert decoded == []
+
+
+# ------------------------------------------------- element types of the 1.1 tensor columns
+# Every column of a 1.1 index with one value of a wrong type (random mutations of an index found
+# `dtype` lists and dicts reaching a set() of the column: "internal error: TypeError: unhashable
+# type"). Each is refused when the file is opened, naming the entry and the field.
+
+_WRONG = [[1, 2], {"a": 1}]
+_STR_COLS = ("name", "dtype", "role")
+_NULLABLE_STR_COLS = ("proj",)
+_INT_COLS = ("nbytes", "source_index", "extent_offset", "extent_length", "chunk_count")
+_NULLABLE_INT_COLS = ("layer", "expert", "fused_index")
+_SHAPE_COLS = ("shape", "source_shape")
+WRONG_TYPES = (
+    [("dtype", v) for v in ([1, 2], {"a": 1}, 7, None, True, 1.5, "")]
+    + [(c, v) for c in _STR_COLS if c != "dtype" for v in _WRONG + [7, None]]
+    + [(c, v) for c in _NULLABLE_STR_COLS for v in _WRONG + [7]]
+    + [(c, v) for c in _INT_COLS for v in _WRONG + ["8", None, True, 1.5, -1, 1 << 70]]
+    + [(c, v) for c in _NULLABLE_INT_COLS for v in _WRONG + ["8", True, 1.5, -1]]
+    + [(c, v) for c in _SHAPE_COLS for v in [{"a": 1}, "16", 16, None, [[16]], ["16"], [16, None], [-1], [True]]]
+)
+
+
+def _raw_doc(data: bytes) -> dict:
+    ioff, ilen = struct.unpack_from("<QQ", data, 24)
+    return json.loads(data[ioff:ioff + ilen])
+
+
+def _with_column_value(data: bytes, col: str, i: int, value) -> bytes:
+    """The container with value ``i`` of the 1.1 tensor column ``col`` replaced (the chunk table
+    and every checksum valid)."""
+    doc = _raw_doc(data)
+    doc["tensors"][col][i] = value
+    return rewrite_index(data, raw_index=json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("col,value", WRONG_TYPES, ids=[f"{c}={json.dumps(v)}" for c, v in WRONG_TYPES])
+def test_a_column_value_of_the_wrong_type_names_entry_and_field(mixtral, tmp_path, col, value):
+    _, data = mixtral
+    assert struct.unpack_from("<H", data, 10)[0] == 1  # a 1.1 file: tensors as columns
+    names = _raw_doc(data)["tensors"]["name"]
+    i = len(names) // 2
+    p = _write(tmp_path / "t.zmoe", _with_column_value(data, col, i, value))
+    who = f"tensor number {i}" if col == "name" else f"tensor {names[i]}"
+    with pytest.raises(ContainerError) as exc:
+        ContainerReader(p)
+    msg = str(exc.value)
+    assert "\n" not in msg and "invalid index" in msg
+    assert f"{who}: field {col!r} must be" in msg, msg
+
+
+@pytest.mark.parametrize("col,value", [("dtype", [1, 2]), ("dtype", {"a": 1}), ("role", ["expert"]),
+                                       ("shape", {"a": 1}), ("chunk_count", [1])])
+def test_wrong_column_types_are_one_line_for_every_command(mixtral, capsys, tmp_path, col, value):
+    _, data = mixtral
+    _refused_everywhere(capsys, tmp_path, _with_column_value(data, col, 0, value), f"field {col!r} must be")
+
+
+def test_a_long_shape_of_huge_dimensions_is_refused_quickly(mixtral, tmp_path):
+    """nbytes against product(shape): a shape of a hundred thousand dimensions near 2^62 would
+    make a number of millions of digits; the product stops once it is out of range."""
+    import time
+
+    _, data = mixtral
+    doc = _raw_doc(data)
+    doc["tensors"]["shape"][0] = [(1 << 62) - 1] * 100_000
+    p = _write(tmp_path / "s.zmoe", rewrite_index(data, raw_index=json.dumps(doc).encode()))
+    t0 = time.perf_counter()
+    with pytest.raises(ContainerError, match=f"tensor {doc['tensors']['name'][0]}: nbytes"):
+        ContainerReader(p)
+    assert time.perf_counter() - t0 < 10
+
+
+@pytest.fixture(scope="module")
+def mixtral_1_0(tmp_path_factory):
+    from test_container_helpers import write_mixtral
+    from zipmoe.codecs.writer import pack
+
+    d = tmp_path_factory.mktemp("mx10")
+    write_mixtral(d / "mx")
+    pack(d / "mx", d / "old.zmoe", shard_size=256, workers=1, version="1.0")
+    return (d / "old.zmoe").read_bytes()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("dtype", [1, 2], "unknown dtype [1, 2]"), ("dtype", {"a": 1}, "unknown dtype {'a': 1}"), ("dtype", 7, "unknown dtype 7"),
+    ("dtype", None, "unknown dtype None"), ("role", ["expert"], "unknown role ['expert']"),
+    ("shape", {"a": 1}, "field 'shape' must be"), ("nbytes", [1], "field 'nbytes' must be"),
+    ("layer", {"a": 1}, "field 'layer' must be"), ("proj", [1], "field 'proj' must be"),
+    ("chunk_kind", [1], "unknown chunk kind [1]"), ("chunk_kind", {"a": 1}, "unknown chunk kind {'a': 1}"),
+    ("chunk_codec", ["zstd"], "field 'codec' must be a string"),
+])
+def test_a_1_0_field_of_the_wrong_type_names_entry_and_field(mixtral_1_0, tmp_path, field, value, needle):
+    data = mixtral_1_0
+    assert struct.unpack_from("<H", data, 10)[0] == 0
+    name = read_index(data)["tensors"][1]["name"]
+
+    def edit(doc):
+        e = doc["tensors"][1]
+        if field.startswith("chunk_"):
+            e["chunks"][0][field[len("chunk_"):]] = value
+        else:
+            e[field] = value
+
+    p = _write(tmp_path / "o.zmoe", rewrite_index(data, edit))
+    with pytest.raises(ContainerError) as exc:
+        ContainerReader(p)
+    msg = str(exc.value)
+    assert "\n" not in msg and f"tensor {name}: " in msg and needle in msg, msg
