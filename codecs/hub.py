@@ -3,11 +3,15 @@
 :func:`resolve_source` turns what a user typed into a local path. An existing file or folder
 is itself (a local folder always wins over a repo id of the same spelling). Otherwise a string
 shaped like a repo id is looked up with ``huggingface_hub.snapshot_download``: first in the local
-hub cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ``~/.cache/huggingface/hub``; the
-revision may be a branch or tag, resolved through ``refs/``, or a commit hash), downloading only
-the files ``zipmoe pack`` reads (safetensors, their index, config, tokenizer and generation
-files) when ``HF_HUB_OFFLINE`` is not set and the hub is reachable. A repo id that is neither
-cached nor reachable is one :class:`~zipmoe.errors.CheckpointError` line.
+hub cache (the revision may be a branch or tag, resolved through ``refs/``, or a commit hash),
+downloading only the files ``zipmoe pack`` reads (safetensors, their index, config, tokenizer
+and generation files) unless huggingface_hub is offline and when the hub is reachable. A repo
+id that is neither cached nor reachable is one :class:`~zipmoe.errors.CheckpointError` line.
+
+Where the cache is and whether to go online are huggingface_hub's own settings, as it read them
+when it was imported (``huggingface_hub.constants.HF_HUB_CACHE``: ``HF_HUB_CACHE``, else
+``HF_HOME``/hub, else ``$XDG_CACHE_HOME/huggingface/hub``; ``constants.HF_HUB_OFFLINE``:
+``HF_HUB_OFFLINE``); :func:`resolve_source` takes a ``cache_dir`` to use another folder.
 """
 
 from __future__ import annotations
@@ -30,18 +34,17 @@ def is_repo_id(text: str) -> bool:
 
 
 def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps its cache, read from the environment now (not at import)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    home = os.environ.get("HF_HOME")
-    if not home:
-        home = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+    """The hub cache folder huggingface_hub uses (``huggingface_hub.constants.HF_HUB_CACHE``)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    """Whether huggingface_hub is in offline mode (``constants.HF_HUB_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 class SourceRef:
@@ -54,9 +57,10 @@ class SourceRef:
         return str(self.path)
 
 
-def resolve_source(source, allow_patterns: list[str] | None = None) -> SourceRef:
+def resolve_source(source, allow_patterns: list[str] | None = None, cache_dir=None) -> SourceRef:
     """A local path, or the snapshot folder of a hub repo id (see the module docstring).
-    ``allow_patterns``: the files to download (default: all); files already cached are used."""
+    ``allow_patterns``: the files to download (default: all); files already cached are used.
+    ``cache_dir``: the hub cache folder (default: huggingface_hub's, :func:`hub_cache_dir`)."""
     text = os.fspath(source) if not isinstance(source, str) else source
     p = Path(text).expanduser()
     if p.exists() or not is_repo_id(text):
@@ -64,14 +68,14 @@ def resolve_source(source, allow_patterns: list[str] | None = None) -> SourceRef
     m = _REPO_ID.match(text)
     repo = f"{m.group(1)}/{m.group(2)}"
     rev = m.group(3)
-    cache = hub_cache_dir()
-    offline = _offline()
     where = f"{text}: no such folder, and"
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub import errors as hf_errors
-    except ImportError:  # pragma: no cover - a dependency of transformers
+    except ImportError:  # pragma: no cover - a dependency of zipmoe and of transformers
         raise CheckpointError(f"{where} huggingface_hub is not installed to look it up on the hub") from None
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else hub_cache_dir()
+    offline = _offline()
     try:
         folder = snapshot_download(repo_id=repo, revision=rev, cache_dir=cache, local_files_only=offline,
                                    allow_patterns=allow_patterns)

@@ -2,8 +2,10 @@
 
 The tests build a hub cache laid out as huggingface_hub lays it out (``models--ORG--NAME`` with
 ``refs/<branch or tag>`` holding a commit hash, ``snapshots/<hash>/<file>`` symlinks into
-``blobs/<sha256>``) under a temporary HF_HOME, and run with HF_HUB_OFFLINE=1: nothing is
-downloaded, a repo id that is not cached is one line.
+``blobs/<sha256>``) in a temporary folder and run offline: nothing is downloaded, a repo id
+that is not cached is one line. huggingface_hub reads HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE
+when it is imported (``huggingface_hub.constants``), and zipmoe uses its constants: the tests
+set those (and check, in a fresh interpreter, that the environment reaches them).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,11 +64,40 @@ def hub(tmp_path_factory):
 
 @pytest.fixture
 def hf_home(hub, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(hub / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    """huggingface_hub's cache at ``hub/hf/hub``, offline (what HF_HOME=hub/hf and
+    HF_HUB_OFFLINE=1 give a process that starts with them)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return hub
+
+
+def _hub_cache_in_a_fresh_process(env: dict) -> str:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
+    out = subprocess.run([sys.executable, "-c", "from zipmoe.codecs.hub import hub_cache_dir; print(hub_cache_dir())"],
+                         env={**clean, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_environment_chooses_the_cache_through_huggingface_hub(tmp_path):
+    """HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub: huggingface_hub's rule."""
+    assert _hub_cache_in_a_fresh_process({"HF_HOME": str(tmp_path / "h")}) == str(tmp_path / "h" / "hub")
+    assert _hub_cache_in_a_fresh_process({"HF_HOME": str(tmp_path / "h"), "HF_HUB_CACHE": str(tmp_path / "c")}) == str(tmp_path / "c")
+    assert _hub_cache_in_a_fresh_process({"XDG_CACHE_HOME": str(tmp_path / "x")}) == str(tmp_path / "x" / "huggingface" / "hub")
+
+
+def test_an_explicit_cache_dir_wins(hub, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snaps = hub / "hf" / "hub" / "models--org--mx" / "snapshots"
+    assert resolve_source("org/mx@v1", cache_dir=hub / "hf" / "hub").path == snaps / V1
+    with pytest.raises(CheckpointError, match=re.escape(f"not in the local hub cache ({tmp_path / 'elsewhere'})")):
+        resolve_source("org/mx@v1")
 
 
 def test_repo_id_shape():
