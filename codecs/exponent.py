@@ -12,7 +12,8 @@ Decompression writes into a caller-provided numpy uint8 buffer. It calls libzstd
 symbols the installed ``zstandard`` and ``lz4`` extension modules export: ctypes releases the
 GIL for the call, no Python bytes object is allocated for the output, and the zstd context is
 reused (one :class:`DecodeContext` per worker thread). Where a symbol is missing it falls back
-to the Python APIs (one extra copy).
+to the Python APIs (one extra copy); ``DecodeContext(native=False)`` asks for those explicitly
+(nothing here reads the environment).
 """
 
 from __future__ import annotations
@@ -73,12 +74,13 @@ def _lz4_fn():
     return fn
 
 
-_ZSTD = None if os.environ.get("ZIPMOE_NO_CTYPES") else _zstd_lib()
-_LZ4_DECOMPRESS = None if os.environ.get("ZIPMOE_NO_CTYPES") else _lz4_fn()
+_ZSTD = _zstd_lib()
+_LZ4_DECOMPRESS = _lz4_fn()
 
 
 def native_available() -> dict:
-    """Which ctypes fast paths are in use (for benchmarks and tests)."""
+    """Which ctypes fast paths this installation has (what ``DecodeContext(native=True)`` uses;
+    for benchmarks and tests)."""
     return {"zstd": _ZSTD is not None, "lz4": _LZ4_DECOMPRESS is not None}
 
 
@@ -86,11 +88,17 @@ def native_available() -> dict:
 
 
 class DecodeContext:
-    """Per-thread decode state: the zstd DCtx and reusable scratch buffers. Not thread-safe."""
+    """Per-thread decode state: the zstd DCtx and reusable scratch buffers. Not thread-safe.
 
-    def __init__(self) -> None:
-        self._dctx = _ZSTD.ZSTD_createDCtx() if _ZSTD is not None else None
-        if _ZSTD is not None and not self._dctx:
+    ``native``: decode through libzstd's and lz4's own symbols by ctypes where this installation
+    has them (the default; :func:`native_available`), else (``False``) through the Python APIs
+    of ``zstandard`` and ``lz4``, one extra copy per chunk.
+    """
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = bool(native)
+        self._dctx = _ZSTD.ZSTD_createDCtx() if self.native and _ZSTD is not None else None
+        if self.native and _ZSTD is not None and not self._dctx:
             raise MemoryError("ZSTD_createDCtx failed")
         self._py_dctx = None
         self._scratch: dict[str, np.ndarray] = {}
@@ -251,7 +259,7 @@ def _lz4_decompress_into(src, dst, ctx) -> None:
     s = _src_array(src)
     if s.shape[0] >= 1 << 31 or n >= 1 << 31:
         raise ContainerError("lz4 chunk larger than 2 GiB")
-    if _LZ4_DECOMPRESS is not None:
+    if ctx.native and _LZ4_DECOMPRESS is not None:
         r = _LZ4_DECOMPRESS(s.ctypes.data, dst.ctypes.data, s.shape[0], n)
         if r != n:
             raise ContainerError(f"lz4 chunk is malformed (decoder returned {r}, expected {n} bytes)")

@@ -89,6 +89,35 @@ def test_native_paths_present_and_python_fallback(monkeypatch, exps):
                 CODECS[k].decompress_into(s[:-3], np.empty(len(exps), np.uint8), DecodeContext())
 
 
+def test_python_decoders_are_an_explicit_choice_of_the_context(monkeypatch, exps):
+    """``DecodeContext(native=False)`` decodes through the Python APIs even where the ctypes
+    symbols exist (they would fail here if called); the default context uses them; no
+    environment variable changes either (ZIPMOE_NO_CTYPES is read nowhere)."""
+    stored = {k: CODECS[k].compress(exps) for k in CODECS}
+    monkeypatch.setenv("ZIPMOE_NO_CTYPES", "1")
+    assert DecodeContext().native and DecodeContext()._dctx  # the environment chooses nothing
+
+    calls = []
+
+    def no_lz4(*a):
+        calls.append("lz4")
+        raise AssertionError("native lz4 called")
+
+    monkeypatch.setattr(exponent, "_LZ4_DECOMPRESS", no_lz4)
+    ctx = DecodeContext(native=False)
+    assert not ctx.native and ctx._dctx is None
+    for k, s in stored.items():
+        out = np.empty(len(exps), np.uint8)
+        CODECS[k].decompress_into(s, out, ctx)
+        assert np.array_equal(out, exps)
+        if k != "raw":
+            with pytest.raises(ContainerError):
+                CODECS[k].decompress_into(s[:-3], np.empty(len(exps), np.uint8), ctx)
+    assert calls == []
+    with pytest.raises(AssertionError, match="native lz4 called"):  # the default context does use it
+        CODECS["lz4"].decompress_into(stored["lz4"], np.empty(len(exps), np.uint8), DecodeContext())
+
+
 def test_decode_from_many_threads_each_with_its_context(exps):
     stored = CODECS["zstd"].compress(exps)
     errors = []
