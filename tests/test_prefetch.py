@@ -92,13 +92,13 @@ def _chosen_per_layer(path, batch, budget):
     model, _ = zipmoe.load(path, budget=budget, workers=2, prefetch=False)
     rt = model.zipmoe
     chosen = {}
-    run = rt.scheduler.run
+    run = rt.fetcher.run
 
     def spy(layer, experts, compute, *rest):
         chosen.setdefault(layer, set()).update(experts)
         return run(layer, experts, compute, *rest)
 
-    rt.scheduler.run = spy
+    rt.fetcher.run = spy
     try:
         with torch.no_grad():
             model(**batch)
@@ -225,17 +225,26 @@ def test_no_predictor_when_every_expert_is_resident(tmp_path_factory):
 
 
 def test_environment_chooses_prefetch_and_readers(tmp_path_factory, monkeypatch):
+    """The command line reads ZIPMOE_PREFETCH and ZIPMOE_READERS (zipmoe_cli/env.py) and passes
+    them to load; load itself reads neither."""
     from zipmoe.errors import UsageError
+    from zipmoe_cli.env import engine_env
 
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=2)
-    monkeypatch.setenv("ZIPMOE_PREFETCH", "1")
-    monkeypatch.setenv("ZIPMOE_READERS", "3")
-    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    env = engine_env({"ZIPMOE_PREFETCH": "1", "ZIPMOE_READERS": "3"})
+    assert env == {"prefetch": True, "readers": 3}
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, **env)
     try:
         assert model.zipmoe.prefetch is True and model.zipmoe.readers == 3
     finally:
         model.zipmoe.close()
-    monkeypatch.setenv("ZIPMOE_PREFETCH", "yes")
-    with pytest.raises(UsageError, match="ZIPMOE_PREFETCH"):
-        zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    monkeypatch.setenv("ZIPMOE_PREFETCH", "1")
+    monkeypatch.setenv("ZIPMOE_READERS", "3")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    try:  # the environment alone changes nothing: the CPU default, no prefetch, default readers
+        assert model.zipmoe.prefetch is False and model.zipmoe.readers != 3
+    finally:
+        model.zipmoe.close()
+    with pytest.raises(UsageError, match="ZIPMOE_PREFETCH='yes': expected 0 or 1"):
+        engine_env({"ZIPMOE_PREFETCH": "yes"})

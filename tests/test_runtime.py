@@ -87,7 +87,7 @@ def test_bit_identical_at_every_budget(tmp_path_factory, refs, family, device):
             if device == "cuda":  # the Triton merge on the device when triton is installed
                 from zipmoe.kernels import triton_available
 
-                assert rt.scheduler.device_merge == triton_available()
+                assert rt.fetcher.device.device_merge == triton_available()
             if which == "min":
                 assert c.bytes_read > 0 and c.hits["none"] > 0
             if which == "resident":

@@ -1,6 +1,6 @@
 """The runtime's layer scheduler against the cost model (runtime/plan/simulate.py).
 
-The real :class:`LayerScheduler` (its threads, priority queues, window and cache states) runs
+The real :class:`Fetcher` (its reader and decode threads, priority queues, window and cache states) runs
 random layer instances whose reads, decode jobs and expert computes are replaced by sleeps of
 the durations the cost model gives. Its measured makespan must stay within (3 - 1/L) of the
 model's lower bound on any schedule (plus a small allowance for thread wake-ups), and it must
@@ -19,36 +19,58 @@ import torch
 from zipmoe.runtime.plan import simulate as sm
 from zipmoe.runtime.engine.cache import ExpertCache
 from zipmoe.runtime.engine.counters import Counters
+from zipmoe.runtime.engine.decoder import Decoder
+from zipmoe.runtime.engine.device_side import DeviceSide
 from zipmoe.runtime.engine.fetch import expert_type, issue_order
-from zipmoe.runtime.engine.scheduler import LayerScheduler
+from zipmoe.runtime.engine.fetcher import Fetcher
+from zipmoe.runtime.engine.reader import Reader
 from zipmoe.runtime.engine.reads import ExpertStore, ReadBuffers
 from zipmoe.runtime.engine.tensors import ExpertTensor, Segment
 
 
-class _FakeRuntime:
-    def __init__(self, tensors: dict, workers: int) -> None:
-        self.device = torch.device("cpu")
-        self.expert_tensors = tensors
-        self.cache = ExpertCache({"full": 1 << 40, "compressed": 1 << 40, "sm_only": 1 << 40, "e_only": 1 << 40})
-        self.counters = Counters()
-        self.window = 1 << 30
-        self.compute_dtype = torch.bfloat16
-        self._held = 0
-        self.workers = workers
-        self.store = type("Store", (), {"buffers": ReadBuffers(), "buffer_size": staticmethod(ExpertStore.buffer_size)})()
+class _FakeWorking:
+    """The working set's interface, counting what is held."""
+
+    window = 1 << 30
+
+    def __init__(self) -> None:
+        self.held = 0
         self.recycled = 0
 
-    def working_bytes(self, t) -> int:
+    def bytes_of(self, t) -> int:
         return t.full_bytes
 
     def hold(self, n):
-        self._held += n
+        self.held += n
 
     def release(self, n):
-        self._held -= n
+        self.held -= n
 
     def recycle(self, bufs):
         self.recycled += len(bufs)
+
+
+class _FakeRuntime:
+    """What a fetcher is built from: tensors, a cache with room everywhere, counters, a working set."""
+
+    def __init__(self, tensors: dict, workers: int) -> None:
+        self.expert_tensors = tensors
+        self.cache = ExpertCache({"full": 1 << 40, "compressed": 1 << 40, "sm_only": 1 << 40, "e_only": 1 << 40})
+        self.counters = Counters()
+        self.working = _FakeWorking()
+        self.workers = workers
+        self.store = type("Store", (), {"buffers": ReadBuffers(), "buffer_size": staticmethod(ExpertStore.buffer_size)})()
+
+    @property
+    def _held(self) -> int:
+        return self.working.held
+
+
+def _fetcher(rt: _FakeRuntime, workers: int) -> Fetcher:
+    """A fetcher over the fake runtime's parts: one reader, ``workers`` decode threads, the CPU."""
+    return Fetcher(expert_tensors=rt.expert_tensors, cache=rt.cache, counters=rt.counters, working=rt.working,
+                   reader=Reader(rt.store, 1), decoder=Decoder(workers, rt.counters.add_time),
+                   device=DeviceSide("cpu", torch.bfloat16, counters=rt.counters))
 
 
 def _tensor(uid, layer, expert, name, numel, e_bytes):
@@ -90,7 +112,7 @@ def _place(rt, tensors, states):
                 rt.cache.put(t.uid, "e_only", t.e_bytes, [None])
 
 
-def _patch(sched: LayerScheduler, costs: sm.Costs, reads: list):
+def _patch(sched: Fetcher, costs: sm.Costs, reads: list):
     lock = threading.Lock()
 
     def read(f, need_e, need_sm):
@@ -106,8 +128,8 @@ def _patch(sched: LayerScheduler, costs: sm.Costs, reads: list):
         _, d, m = sm.durations(sm.Task("compressed", f.tensor.full_bytes, f.tensor.e_bytes), costs)
         time.sleep(d + m)
 
-    sched._read = read
-    sched._decode = decode
+    sched.reader._read = read
+    sched.decoder._decode = decode
     sched._admit = lambda fl: None
 
 
@@ -121,7 +143,7 @@ def test_makespan_within_3_minus_1_over_L_of_the_lower_bound(seed):
     tensors, states, tasks = _instance(rng, L)
     rt = _FakeRuntime(tensors, L)
     _place(rt, tensors, states)
-    sched = LayerScheduler(rt, L)
+    sched = _fetcher(rt, L)
     reads: list = []
     _patch(sched, costs, reads)
     experts = sorted(states)
@@ -161,7 +183,7 @@ def test_reads_follow_the_model_priority_order():
                      compute_s_per_expert=0.0, merge_on_workers=True)
     rt = _FakeRuntime(tensors, 1)
     _place(rt, tensors, states)
-    sched = LayerScheduler(rt, 1)
+    sched = _fetcher(rt, 1)
     reads: list = []
     _patch(sched, costs, reads)
     done = []

@@ -15,11 +15,9 @@ import torch
 
 import zipmoe
 from zipmoe.errors import ServingError
-from zipmoe.runtime.engine import scheduler as sched_mod
-from zipmoe.runtime.engine.scheduler import LayerScheduler
 
 from test_runtime_fixtures import container, inputs, reference
-from test_scheduler import _FakeRuntime, _place, _tensor
+from test_scheduler import _FakeRuntime, _fetcher, _place, _tensor
 
 LIMIT_S = 10.0
 
@@ -64,36 +62,36 @@ def _ok_read(f, need_e, need_sm):
 @pytest.mark.parametrize("where", ["decode job", "read job", "fan-out", "dead thread"])
 def test_a_failing_job_reaches_the_caller_as_one_line(where):
     rt, experts = _layer(["compressed", "none", "compressed", "none"])
-    sched = LayerScheduler(rt, 2)
-    sched._read = _ok_read
-    sched._decode = lambda f, ve, vsm: None
+    sched = _fetcher(rt, 2)
+    sched.reader._read = _ok_read
+    sched.decoder._decode = lambda f, ve, vsm: None
     sched._admit = lambda fl: None
     if where == "decode job":
         def whole(f, *a):
             raise RuntimeError("boom in a decode worker\nsecond line")
-        sched._whole = whole
+        sched.decoder._whole = whole
     elif where == "read job":
-        def rtd(f, done, rank):
+        def rtd(f, then, rank):
             raise OSError(5, "Input/output error")
-        sched._read_then_decode = rtd
+        sched.reader._read_then_decode = rtd
     elif where == "fan-out":
-        sched._split = lambda f: True  # every tensor as chunk jobs (the fake tensors have none: jobs=[] ...)
+        sched.decoder.split = lambda f: True  # every tensor as chunk jobs (the fake tensors have none: jobs=[] ...)
 
-        def fan_out(f, jobs, rank, ve, vsm, done):
+        def fan_out(f, jobs, rank, ve, vsm):
             raise MemoryError("cannot queue the chunk jobs")
-        sched._fan_out = fan_out
+        sched.decoder._fan_out = fan_out
     else:  # the error handler itself fails: the thread stops; the layer must notice
         def whole(f, *a):
             raise RuntimeError("boom")
-        sched._whole = whole
+        sched.decoder._whole = whole
 
         def bad_handler(fn, args, exc):
             raise SystemExit("handler failed")
-        sched.pool.on_error = bad_handler
+        sched.decoder.pool.on_error = bad_handler
     try:
         out = _run_in_thread(lambda: sched.run(0, experts, lambda e, w: None))
     finally:
-        sched.io._stopping = sched.pool._stopping = True
+        sched.reader.io._stopping = sched.decoder.pool._stopping = True
         if where != "dead thread":
             sched.close()
     exc = out.get("exc")
@@ -115,28 +113,28 @@ def test_a_chunk_job_that_cannot_be_queued_fails_its_tensor_once(monkeypatch):
     """_fan_out queues the chunk jobs: one that cannot be queued counts as failed, and the
     tensor is reported once, after the jobs that were queued have run."""
     rt, experts = _layer(["compressed"])
-    sched = LayerScheduler(rt, 2)
+    sched = _fetcher(rt, 2)
     ran = []
 
-    def piece(f, i, k, ve, vsm, latch, done):
+    def piece(f, i, k, latch, ve, vsm):
         ran.append(k)
         last, first = latch.count_down(None)
         if last:
             f.report(first)
 
-    sched._piece = piece
-    sched._split = lambda f: True
-    submit = sched.pool.submit
+    sched.decoder._piece = piece
+    sched.decoder.split = lambda f: True
+    submit = sched.decoder.pool.submit
     calls = {"n": 0}
 
     def flaky_submit(rank, fn, *args):
-        if fn == sched._piece:
+        if fn == sched.decoder._piece:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise MemoryError("queue full")
         return submit(rank, fn, *args)
 
-    sched.pool.submit = flaky_submit
+    sched.decoder.pool.submit = flaky_submit
     reports = []
 
     class F:
@@ -147,7 +145,7 @@ def test_a_chunk_job_that_cannot_be_queued_fails_its_tensor_once(monkeypatch):
 
     f = F()
     try:
-        sched._fan_out(f, [(0, k) for k in range(4)], 0, False, False, None)
+        sched.decoder._fan_out(f, [(0, k) for k in range(4)], 0, False, False)
         out = _run_in_thread(lambda: __import__("time").sleep(0.3))
         assert "exc" not in out
     finally:

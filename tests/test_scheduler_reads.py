@@ -93,7 +93,7 @@ def test_reads_shared_by_readers_stay_bit_identical(tmp_path_factory, family):
         model, _ = zipmoe.load(path, budget="64M", workers=2, readers=readers)
         rt = model.zipmoe
         rt.store.piece = ALIGN  # every range in 4 KiB pieces: many reads in flight at once
-        assert rt.scheduler.readers == readers and len(rt.scheduler.io) == readers
+        assert rt.readers == readers and len(rt.fetcher.reader) == readers
         try:
             with torch.no_grad():
                 for _ in range(2):

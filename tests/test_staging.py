@@ -108,15 +108,16 @@ def test_forced_device_paths_with_a_small_ring_are_bit_identical(tmp_path_factor
     model, _ = zipmoe.load(path, budget=req["min_budget"] + 4096, workers=2, prefetch=True)
     rt = model.zipmoe
     assert rt.window == 1
-    rt.scheduler.cuda = True
-    rt.scheduler.device_merge = device_merge
+    from zipmoe.runtime.engine.staging import StagingRing
+
+    rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=device_merge)
     ref = reference(src)
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     for seed in range(2):
         batch = inputs(vocab, False, batch=2, seed=seed)
         with torch.no_grad():
             assert torch.equal(model(**batch).logits, ref(**batch).logits)
-    ring = rt.scheduler.copies.ring
+    ring = rt.fetcher.device.copies.ring
     assert ring.slots == 1 and len(ring.free) == 1  # every slot back in the ring
     assert rt.counters.hits["none"] > 0 and rt._inflight == 0
     rt.close()

@@ -7,8 +7,9 @@ The public Python API is small::
 
 Subpackages: ``zipmoe.codecs`` (bit fields, exponent codecs, the .zmoe container),
 ``zipmoe.kernels`` (merge/split kernels, numba on the CPU, Triton on CUDA) and
-``zipmoe.runtime`` (``serve``: the serving runtime; ``plan``: the planner; ``bench``: the
-benchmark harness; ``synth``: synthetic checkpoints). The base modules ``zipmoe.errors``,
+``zipmoe.runtime`` (``engine``: what serves a model, settings in ``EngineSettings``;
+``server``: the HTTP server of ``zipmoe serve``; ``plan``: the planner; ``bench``: the benchmark
+harness; ``synth``: synthetic checkpoints). The base modules ``zipmoe.errors``,
 ``zipmoe.units``, ``zipmoe.version`` and ``zipmoe.machine`` are importable from every layer
 (docs/architecture.md).
 """

@@ -1,1 +1,1 @@
-"""The serving runtime: load a container as a transformers model, fetch experts on demand (store, cache pools, scheduler), counters, traces and the chat loop."""
+"""The engine: load a container as a transformers model, fetch experts on demand (the fetcher and its reader, decoder and device side; the cache pools), the decode loop and its CUDA graphs, counters and traces. Its switches: engine/settings.py."""

@@ -63,11 +63,11 @@ import bisect
 import itertools
 from collections import OrderedDict
 
+from zipmoe.runtime.engine.settings import DEFAULT_AGE_TOKENS  # counts halve every this many tokens (module doc)
+
 __all__ = ["Pool", "ExpertCache", "POOLS", "DEFAULT_AGE_TOKENS"]
 
 POOLS = ("full", "compressed", "sm_only", "e_only")
-
-DEFAULT_AGE_TOKENS = 4096  # counts halve every this many tokens (batch 1); see the module doc
 
 
 class Pool:
@@ -304,6 +304,13 @@ class ExpertCache:
 
     def drop(self, uid: int) -> None:
         self._remove(uid)
+
+    def pin(self, uid: int) -> None:
+        """A running layer uses ``uid``: no admission may evict it until :meth:`unpin_all`."""
+        self.pinned.add(uid)
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
 
     def clear(self) -> None:
         for uid in list(self.state):

@@ -34,8 +34,8 @@ the decode workers, which pass over them anyway), so pinning them would buy noth
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -45,23 +45,20 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from zipmoe.runtime.engine.cache import DEFAULT_AGE_TOKENS, POOLS, ExpertCache
+from zipmoe.runtime.engine.cache import POOLS, ExpertCache
 from zipmoe.runtime.engine.counters import Counters
-from zipmoe.runtime.engine.device_side import demote
-from zipmoe.runtime.engine.scheduler import LayerScheduler
-from zipmoe.runtime.engine.reads import DEFAULT_READERS, ExpertStore
+from zipmoe.runtime.engine.decoder import Decoder
+from zipmoe.runtime.engine.device_side import DeviceSide, demote
+from zipmoe.runtime.engine.fetcher import Fetcher
+from zipmoe.runtime.engine.reader import Reader
+from zipmoe.runtime.engine.reads import ExpertStore
+from zipmoe.runtime.engine.settings import EngineSettings
 from zipmoe.runtime.engine.trace import TraceWriter
+from zipmoe.runtime.engine.working import WorkingSet, working_bytes_of
 
 __all__ = ["Runtime", "read_plan", "DEFAULT_SPLIT", "working_bytes_of"]
 
 DEFAULT_SPLIT = {"full": 0.6, "compressed": 0.4, "sm_only": 0.0, "e_only": 0.0}
-
-
-def working_bytes_of(t) -> int:
-    """Working bytes of one expert tensor in flight: its bf16 merge buffer, its read buffers and,
-    when the model computes in another dtype (float32), the converted tensor."""
-    extra = t.compute_bytes if t.compute_itemsize != 2 else 0
-    return t.full_bytes + t.staging_bytes() + extra
 
 
 def read_plan(plan, container_id: str) -> dict:
@@ -99,7 +96,7 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
     pinned staging ring. ``scratch``: the workers' decode scratch and, on CUDA, the one device
     buffer the staged bytes land in before the device merge (allocator-rounded) and the ring's
     page rounding."""
-    from zipmoe.runtime.engine.staging import PAGE, CopyStream, cuda_block_bytes
+    from zipmoe.runtime.engine.staging import PAGE, CopyStream, cuda_block_bytes  # noqa: F401
 
     inflight, slot = [0], 0
     for ts in expert_tensors.values():
@@ -136,18 +133,24 @@ def dry_requirements(expert_tensors: dict, dense_bytes: int, workers: int, cuda:
 
 
 class Runtime:
-    """Serves the expert layers of one model from one container."""
+    """Serves the expert layers of one model from one container.
+
+    ``settings``: the engine's switches (:class:`~zipmoe.runtime.engine.settings.EngineSettings`;
+    ``prefetch`` and ``slots`` resolved for the device). The runtime builds the fetch pipeline
+    from them (:class:`~zipmoe.runtime.engine.fetcher.Fetcher` with its reader, decoder and
+    device side) and hands each piece what it needs.
+    """
 
     def __init__(self, *, path, container_id: str, meta: dict, family, device, expert_tensors: dict,
                  sparse_layers: list, num_experts: int, top_k: int, num_layers: int, dense_bytes: int,
-                 budget: int, plan=None, workers: int = 1, direct_io: bool = True,
-                 compute_dtype=torch.bfloat16, slots=None, cache_age: int | None = None, readers: int | None = None,
-                 prefetch: bool = True) -> None:
+                 budget: int, plan=None, compute_dtype=torch.bfloat16, settings: EngineSettings | None = None) -> None:
         self.path = str(path)
         self.container_id = container_id
         self.meta = meta
         self.family = family
         self.device = torch.device(device)
+        self.settings = (settings or EngineSettings()).resolved(self.device.type)
+        st = self.settings
         self.expert_tensors = expert_tensors  # {(layer, expert): [ExpertTensor]}
         self.sparse_layers = list(sparse_layers)
         self.num_experts = num_experts
@@ -155,26 +158,27 @@ class Runtime:
         self.num_layers = num_layers
         self.dense_bytes = int(dense_bytes)
         self.budget = int(budget)
-        self.workers = max(1, int(workers))
-        self.readers = DEFAULT_READERS if readers is None else max(1, int(readers))  # I/O threads: queue depth
+        self.workers = max(1, int(st.workers or 1))
+        self.readers = int(st.readers)  # I/O threads: queue depth
         self.compute_dtype = compute_dtype
         self.counters = Counters()
         # prefetch across layers (engine/prefetch.py): the loader sets the predictor once the
         # routers are loaded; pointless when every expert fits whole in the full pool
         self.predictor = None
-        self.prefetch = bool(prefetch)
+        self.prefetch = bool(st.prefetch)
         self.memory_limit: dict | None = None  # the loader's memlimit.check figures
-        self._lock = threading.Lock()
-        self._inflight = 0
         self._trace: TraceWriter | None = None
+        self.loops: dict = {}  # batch -> the DecodeLoop the planner's and tools' passes reuse (loop.generate_ids)
+        # while a CUDA graph is captured, every experts call goes here instead (intercepted())
+        self.intercept = None
+        cuda = self.device.type == "cuda"
 
         all_t = [t for ts in expert_tensors.values() for t in ts]
         self.expert_bytes_full = sum(t.compute_bytes for t in all_t)  # all experts whole, as computed with
         self.expert_bytes_stored = sum(t.stored_bytes for t in all_t)
         # working set: one expert in flight = its bf16 buffers + read buffers; plus the
         # exp (and sm, if not raw) decode scratch of each worker
-        self.expert_working, self.scratch_bytes, self.staging_slot_bytes = _sizes(
-            expert_tensors, self.workers, self.device.type == "cuda")
+        self.expert_working, self.scratch_bytes, self.staging_slot_bytes = _sizes(expert_tensors, self.workers, cuda)
         self.min_budget = self.dense_bytes + self.scratch_bytes + self.expert_working
         if self.budget < self.min_budget:
             raise BudgetError(
@@ -203,43 +207,75 @@ class Runtime:
         # the full pool as device slot tensors with an expert->slot map (engine/slots.py): on
         # CUDA by default (what CUDA graphs gather from), anywhere with slots=True
         self.slots = None
-        if (self.device.type == "cuda" if slots is None else slots) and caps.get("full", 0) > 0:
+        if st.slots and caps.get("full", 0) > 0:
             from zipmoe.runtime.engine.slots import SlotMap
 
             self.slots = SlotMap(expert_tensors, caps["full"], compute_dtype, self.device, num_experts)
             caps["full"] = self.slots.nbytes  # the arenas' bytes, at most what the split gave
         self.pools = caps
         # aging: counts halve every ``cache_age`` tokens' worth of expert uses (cache.py)
-        self.cache_age = DEFAULT_AGE_TOKENS if cache_age is None else max(0, int(cache_age))
-        per_token = max(1, int(top_k)) * len(next(iter(expert_tensors.values()), [])) * max(1, len(self.sparse_layers))
-        self.cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
-        if self.slots is not None:
-            self.slots.attach(self.cache)
+        self.cache_age = int(st.cache_age)
+        self.cache = self._new_cache(caps)
         # on CUDA: the pinned staging ring, one slot per expert in flight (engine/staging.py)
         self.staging = None
-        if self.device.type == "cuda":
+        if cuda:
             from zipmoe.runtime.engine.staging import StagingRing
 
             self.staging = StagingRing(self.window, self.staging_slot_bytes, pin=True)
-        self.store = ExpertStore(self.path, self.counters, direct=direct_io)
-        self.scheduler = LayerScheduler(self, self.workers)
+        self.store = ExpertStore(self.path, self.counters, direct=st.direct_io)
+        self.working = WorkingSet(self.store.buffers, window=self.window, expert_working=self.expert_working,
+                                  staged=cuda, ring_bytes=self.window * self.staging_slot_bytes if cuda else 0,
+                                  on_change=self._note_held)
+        self.fetcher = Fetcher(expert_tensors=expert_tensors, cache=self.cache, counters=self.counters,
+                               working=self.working, reader=Reader(self.store, self.readers),
+                               decoder=Decoder(self.workers, self.counters.add_time),
+                               device=self.device_side(self.staging))
         # threads and file descriptors go when the model is garbage collected, if close() was not called
-        self._finalizer = weakref.finalize(self, _shutdown, self.scheduler.io, self.scheduler.pool, self.store,
-                                           self.staging)
+        self._finalizer = weakref.finalize(self, _shutdown, self.fetcher, self.store, self.staging)
+        self.counters.note_held(self.held_bytes())
+
+    def _new_cache(self, caps: dict) -> ExpertCache:
+        per_token = max(1, int(self.top_k)) * len(next(iter(self.expert_tensors.values()), [])) * max(1, len(self.sparse_layers))
+        cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
+        if self.slots is not None:
+            self.slots.attach(cache)
+        return cache
+
+    def device_side(self, ring, device_merge: bool | None = None) -> DeviceSide:
+        """The fetch pipeline's device side over ``ring`` (None: no staging). ``device_merge``:
+        None = the setting (Triton where available, CUDA only)."""
+        if device_merge is None:
+            device_merge = False
+            if ring is not None and self.settings.device_merge is not False:
+                try:
+                    from zipmoe import kernels
+
+                    device_merge = bool(kernels.triton_available())
+                except Exception:  # pragma: no cover - depends on the install
+                    device_merge = False
+        return DeviceSide(self.device, self.compute_dtype, ring=ring, device_merge=device_merge,
+                          slotted=self.slots is not None, counters=self.counters)
+
+    def swap_cache(self, cache: ExpertCache) -> ExpertCache:
+        """Serve from ``cache`` from now on (the planner's compressed pass); returns the old one."""
+        old, self.cache = self.cache, cache
+        self.fetcher.cache = cache
+        return old
+
+    @property
+    def _inflight(self) -> int:
+        return self.working.inflight
+
+    def _note_held(self) -> None:
         self.counters.note_held(self.held_bytes())
 
     # ------------------------------------------------------------------ accounting
-    def working_bytes(self, t) -> int:
-        """A fetch's own working bytes (on CUDA its expert's device buffer and staging slot are
-        counted once per expert: the scheduler adds the first, the ring holds the second)."""
-        return working_bytes_of(t) - (t.full_bytes if self.device.type == "cuda" else 0)
-
     def held_bytes(self) -> int:
         pools = self.cache.used_bytes()
         if self.slots is not None:  # the arenas are allocated whole, used or not
             pools += self.slots.nbytes + self.slots.loose_bytes - self.cache.pools["full"].used
         ring = 0 if self.staging is None else self.staging.nbytes
-        return self.dense_bytes + self.scratch_bytes + pools + ring + self._inflight + self.store.buffers.idle_bytes
+        return self.dense_bytes + self.scratch_bytes + pools + ring + self.working.inflight + self.store.buffers.idle_bytes
 
     def memory(self) -> dict:
         """What the budget counts against what is really allocated: ``counted_bytes`` (held now,
@@ -255,29 +291,6 @@ class Runtime:
             out["staging_ring_bytes"] = self.staging.nbytes
             out["staging_pinned"] = self.staging.pinned
         return out
-
-    def _idle_room(self) -> int:
-        """Read buffers may stay idle in what the window reserves and the experts in flight do not use
-        (on CUDA the window's staging slots are the ring's, held whole: not room for them)."""
-        ring = 0 if self.staging is None else self.window * self.staging_slot_bytes
-        return self.window * self.expert_working - ring - self._inflight
-
-    def hold(self, n: int) -> None:
-        with self._lock:
-            self._inflight += n
-            self.store.buffers.trim(self._idle_room())
-        self.counters.note_held(self.held_bytes())
-
-    def recycle(self, bufs: list) -> None:
-        """Take back a finished fetch's read buffers (after :meth:`release` of its bytes)."""
-        if bufs:
-            with self._lock:
-                self.store.buffers.put(bufs, self._idle_room())
-
-    def release(self, n: int) -> None:
-        with self._lock:
-            self._inflight -= n
-        self.counters.note_held(self.held_bytes())
 
     def describe(self) -> dict:
         return {
@@ -299,6 +312,8 @@ class Runtime:
             "direct_io_fallback": self.store.fallback_reason,
             "cache_age_tokens": self.cache_age,
             "prefetch": self.prefetch and self.predictor is not None,
+            "device_merge": self.fetcher.device.device_merge,
+            "settings": self.settings.as_dict(),
             "memory_limit": self.memory_limit,
             "staging": None if self.staging is None else {
                 "slots": self.staging.slots, "slot_bytes": self.staging.slot_bytes, "bytes": self.staging.nbytes,
@@ -337,34 +352,60 @@ class Runtime:
         if self.prefetch and self.predictor is not None and hidden is not None:
             predict = lambda: self.predictor.predict(layer, hidden)  # noqa: E731
         if experts:
-            self.scheduler.run(layer, experts, compute, predict)
+            self.fetcher.run(layer, experts, compute, predict)
         self.counters.add_layer(layer, time.perf_counter() - t0, len(experts))
 
+    @contextlib.contextmanager
+    def intercepted(self, fn):
+        """Within this block every fused experts call is ``fn(module, hidden, top_k_index,
+        top_k_weights)`` instead of the host path (engine/graphs.py: the capture of a decode step
+        ends a graph piece at each sparse block)."""
+        if self.intercept is not None:
+            raise RuntimeError("experts calls are already intercepted")
+        self.intercept = fn
+        try:
+            yield
+        finally:
+            self.intercept = None
+
+    def layer_computed(self, layer, experts: list, seconds: float, trace_ids=None) -> None:
+        """A sparse layer computed outside :meth:`run_layer` (a CUDA graph, from resident
+        tensors): the same trace, cache uses and counters as if it had run here."""
+        if self._trace is not None and trace_ids is not None:
+            self._trace.record(layer, trace_ids() if callable(trace_ids) else trace_ids)
+        if experts:
+            self.fetcher.account_resident(layer, experts)
+        self.counters.add_layer(layer, seconds, len(experts))
+
     def warm(self) -> int:
-        """Fill the full pool with experts in (layer, expert) order while it has room; returns how many."""
+        """Fill the full pool with experts in (layer, expert) order while it has room; returns how
+        many tensors it placed. The tensors come through the fetch pipeline (no use counted)."""
+        from zipmoe.runtime.engine.staging import own_device
+
+        cache = self.cache
+        full = cache.pools["full"]
         n = 0
         for key in sorted(self.expert_tensors):
+            room = full.capacity - full.used
+            take, stop = [], False
             for t in self.expert_tensors[key]:
-                if self.cache.state_of(t.uid) is not None:
+                if cache.state_of(t.uid) is not None:
                     continue
-                if self.cache.pools["full"].capacity - self.cache.pools["full"].used < t.compute_bytes:
-                    return n
+                if room < t.compute_bytes:
+                    stop = True
+                    break
                 if self.slots is not None and not self.slots.has_free(t.uid):
                     continue  # this kind's slots are full (another kind may still have room)
-                from zipmoe.codecs.exponent import DecodeContext
-
-                from zipmoe.runtime.engine.decode import decode_into, u16_view
-                from zipmoe.runtime.engine.reads import slice_of
-
-                bufs = [(off, self.store.read(off, ln)) for off, ln in t.ranges(True, True)]
-                e_parts = [slice_of(bufs, s.e_range) for s in t.segments]
-                sm_parts = [slice_of(bufs, s.sm_range) for s in t.segments]
-                host = torch.empty(t.shape, dtype=torch.bfloat16)
-                decode_into(t, e_parts, sm_parts, u16_view(host),
-                            DecodeContext(), True, True)
-                out = host.to(device=self.device, dtype=self.compute_dtype)
-                self.cache.put(t.uid, "full", t.compute_bytes, out)
-                n += 1
+                take.append(t)
+                room -= t.compute_bytes
+            if take:
+                weights = dict(zip((t.uid for t in self.expert_tensors[key]), self.fetcher.fetch_whole(*key)))
+                for t in take:
+                    w = weights[t.uid]
+                    cache.put(t.uid, "full", t.compute_bytes, w if self.slots is not None else own_device(w))
+                    n += 1
+            if stop:
+                break
         self.counters.note_held(self.held_bytes())
         return n
 
@@ -374,10 +415,8 @@ class Runtime:
         self._finalizer()
 
 
-def _shutdown(io, pool, store, staging=None) -> None:
-    io.shutdown()
-    pool.shutdown()
+def _shutdown(fetcher, store, staging=None) -> None:
+    fetcher.close()
     store.close()
     if staging is not None:
         staging.close()
-

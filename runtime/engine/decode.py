@@ -28,27 +28,38 @@ def decode_into(tensor: ExpertTensor, e_parts: list, sm_parts: list, out_u16: np
     (every chunk read from the file is verified once, before its first use).
     ``timer(stage, seconds)`` receives the decode and merge times.
     """
-    from zipmoe.codecs.exponent import get_codec
     from zipmoe.kernels.cpu import merge_into
 
     for seg, e, sm in zip(tensor.segments, e_parts, sm_parts):
         t0 = time.perf_counter()
-        sm_c = seg.sm_chunk
-        if verify_sm:
-            verify_chunk(sm_c, sm, seg.name, len(seg.e_chunks))
         exp = ctx.scratch("exp", seg.numel)
+        smv = _sm_of(seg, sm, None, ctx, verify_sm)
         _decode_e_chunks(seg, e, exp, ctx, verify_e)
-        if sm_c.codec == "raw":
-            smv = sm
-        else:
-            smv = ctx.scratch("sm", seg.numel)
-            get_codec(sm_c.codec).decompress_into(sm, smv, ctx)
         t1 = time.perf_counter()
         merge_into(exp, smv, out_u16[seg.dst : seg.dst + seg.numel])
         t2 = time.perf_counter()
         if timer is not None:
             timer("decode", t1 - t0)
             timer("merge", t2 - t1)
+
+
+def _sm_of(seg, sm, dst, ctx, verify_sm: bool):
+    """Segment ``seg``'s SM bytes from its stored SM chunk ``sm`` (its checksum verified first
+    when ``verify_sm``): the stored bytes themselves when raw, else decompressed. ``dst``: where
+    they must end up (copied there when raw), or None for a view or the worker's scratch."""
+    from zipmoe.codecs.exponent import get_codec
+
+    sm_c = seg.sm_chunk
+    if verify_sm:
+        verify_chunk(sm_c, sm, seg.name, len(seg.e_chunks))
+    if sm_c.codec == "raw":
+        if dst is None:
+            return sm
+        dst[:] = sm
+        return dst
+    out = ctx.scratch("sm", seg.numel) if dst is None else dst
+    get_codec(sm_c.codec).decompress_into(sm, out, ctx)
+    return out
 
 
 def u16_view(t) -> np.ndarray:
@@ -84,3 +95,9 @@ def decode_exp_into(tensor: ExpertTensor, e_parts: list, exp_out: np.ndarray, ct
     """Decompress only (for a device merge): all segments' E streams into ``exp_out`` (flat, numel)."""
     for seg, e in zip(tensor.segments, e_parts):
         _decode_e_chunks(seg, e, exp_out[seg.dst : seg.dst + seg.numel], ctx, verify_e)
+
+
+def decode_sm_into(tensor: ExpertTensor, sm_parts: list, sm_out: np.ndarray, ctx, verify_sm: bool) -> None:
+    """The SM bytes of every segment into ``sm_out`` (flat, numel), for a device merge."""
+    for seg, sm in zip(tensor.segments, sm_parts):
+        _sm_of(seg, sm, sm_out[seg.dst : seg.dst + seg.numel], ctx, verify_sm)

@@ -1,81 +1,145 @@
-"""The serving thread's end of a fetch: stage a finished expert's bytes to the device (one copy and,
-with the Triton kernel, one merge, on the copy stream: :mod:`.staging`), the weights in the
-compute dtype, and offering the tensor's forms to the cache; and
-:func:`demote`, the cache's cascade of those forms. A mixin of
-:class:`zipmoe.runtime.engine.scheduler.LayerScheduler`."""
+"""The serving thread's end of a fetch: where a group's tensors land, their way to the device, the
+weights in the compute dtype, and the forms offered to the cache; and :func:`demote`, the cache's
+cascade of those forms.
+
+:class:`DeviceSide` is built with what it needs and nothing else: the device, the compute dtype,
+the staging ring (None: no staging, the tensors are merged where they are computed, as on the
+CPU), whether the device merges (Triton), whether the full pool keeps device slots (then the
+pool copies a tensor into its slot and the fetch's buffer may be a view), and the counters.
+
+Staged (CUDA): a group (one expert's fetches) takes one slot of the pinned ring when it is
+issued and one device buffer its tensors are views of (:meth:`place`); the decode workers write
+the slot; once the group's last fetch has finished, :meth:`stage` queues one copy of the slot
+(and one Triton merge) on the copy stream (:class:`zipmoe.runtime.engine.staging.CopyStream`) and
+gives the slot back with the copy's event; before the expert computes, :meth:`to_device` makes
+the compute stream wait for that event (on the device, not the host).
+"""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import torch
 
-from zipmoe.runtime.engine.staging import own_device
+from zipmoe.runtime.engine.staging import CopyStream, cuda_block_bytes, own_device
 
 __all__ = ["DeviceSide", "demote"]
 
 
 class DeviceSide:
-    """Serving-thread steps of :class:`LayerScheduler` (uses its ``rt``, ``device``, ``cuda``,
-    ``device_merge`` and ``copies``, a :class:`zipmoe.runtime.engine.staging.CopyStream`)."""
+    def __init__(self, device, compute_dtype, *, ring=None, device_merge: bool = False, slotted: bool = False,
+                 counters=None) -> None:
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.slotted = bool(slotted)
+        self.counters = counters
+        self.device_merge = bool(device_merge) and ring is not None
+        self.copies = CopyStream(self.device, ring, self.device_merge) if ring is not None else None
 
-    def _stage_group(self, g) -> None:
+    @property
+    def staged(self) -> bool:
+        return self.copies is not None
+
+    # ------------------------------------------------------------------ issue
+    def group_bytes(self, g, fetches: list) -> int:
+        """The group's own bytes beside its fetches' (staged: its one device buffer, as the CUDA
+        allocator rounds it); sets ``g.n``, the elements of its buffers."""
+        if not self.staged:
+            return 0
+        g.n = self.copies.layout([f.tensor for f in fetches])[1]
+        return cuda_block_bytes(2 * g.n) if self.device.type == "cuda" else 2 * g.n
+
+    def place(self, g, fetches: list) -> None:
+        """Where the group's tensors are decoded to: staged, views of its slot and its device
+        buffer (the workers write ``exp_host`` / ``sm_host`` for a device merge, ``host`` for a
+        host merge); else one tensor each on the device (``out``)."""
+        if not self.staged:
+            for f in fetches:
+                f.out = torch.empty(f.tensor.shape, dtype=torch.bfloat16, device=self.device)
+            return
+        cs = self.copies
+        ring = cs.ring
+        offs, n = cs.layout([f.tensor for f in fetches])
+        waits = ring.waits
+        g.slot = ring.acquire()
+        if self.counters is not None:
+            self.counters.staging_waits += ring.waits - waits
+        g.dev = cs.alloc_out(n)
+        host = ring.view(g.slot, 2 * n)
+        for f, o in zip(fetches, offs):
+            t = f.tensor
+            f.out = g.dev[o : o + t.numel].view(t.shape)
+            if self.device_merge:
+                f.exp_host = host[o : o + t.numel].numpy()
+                f.sm_host = host[n + o : n + o + t.numel].numpy()
+            else:
+                f.host = host[2 * o : 2 * (o + t.numel)].view(torch.bfloat16).view(t.shape)
+
+    def release(self, g) -> None:
+        """A group given back: its slot, if never staged (an error, a drop: nothing reads it)."""
+        if g.slot is not None:
+            self.copies.ring.release(g.slot)
+            g.slot = None
+        g.dev = None
+
+    # ------------------------------------------------------------------ finished
+    def stage(self, g) -> None:
         """Every fetch of ``g`` is decoded into its staging slot: queue the slot's copy (and the
         device merge) on the copy stream, give the slot back with the copy's event."""
         if g.slot is None:
             return
         t0 = time.perf_counter()
-        ring = self.copies.ring
         ev = self.copies.stage(g.slot, g.n, g.dev)
-        ring.release(g.slot, ev)
+        self.copies.ring.release(g.slot, ev)
         g.slot = None
         g.event = ev
-        self.rt.counters.add_time("stage", time.perf_counter() - t0)
+        if self.counters is not None:
+            self.counters.add_time("stage", time.perf_counter() - t0)
 
-    def _to_device(self, g) -> None:
+    def to_device(self, g) -> None:
         """Before ``g``'s expert computes: the compute stream waits for its copy (on the device,
         not the host); its buffer is marked as used by that stream for the allocator."""
+        if not self.staged:
+            return
         if g.slot is not None:  # not staged yet (it is, as soon as its last fetch reports)
-            self._stage_group(g)
+            self.stage(g)
         if g.event is not None:
-            import torch
-
             s = torch.cuda.current_stream(self.device)
             s.wait_event(g.event)
             g.dev.record_stream(s)
             g.event = None
 
-    def _finish(self, fl) -> None:
+    def finish(self, fetches) -> None:
         """The weights the expert computes with: the merged bf16 tensor, or its conversion
         (exact) when the model computes in float32."""
-        dtype = self.rt.compute_dtype
-        for f in fl:
+        dtype = self.compute_dtype
+        for f in fetches:
             if f is not None:
                 f.w = f.out if f.out.dtype == dtype else f.out.to(dtype)
                 if f.w is not f.out:
                     f.out = None
 
-    def _admit(self, fl) -> None:
-        cache = self.rt.cache
-        for f in fl:
-            if f is None:
-                continue
-            t = f.tensor
-            forms = {"full": (t.compute_bytes, f.w if self.rt.slots is not None else own_device(f.w))}
-            if f.e_parts is not None and f.sm_parts is not None:
-                e_parts, sm_parts = f.e_parts, f.sm_parts
-                forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
-            if f.sm_parts is not None:
-                forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: _own(s))
-            if f.e_parts is not None:
-                forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
-            cache.offer(t.uid, forms)
-            f.out = f.w = None
+    def forms(self, f) -> dict:
+        """What the cache may keep of a computed fetch, per pool: ``{pool: (bytes, data)}`` (the
+        lower pools' data as a callable, copied only if a pool takes it)."""
+        t = f.tensor
+        forms = {"full": (t.compute_bytes, f.w if self.slotted else own_device(f.w))}
+        if f.e_parts is not None and f.sm_parts is not None:
+            e_parts, sm_parts = f.e_parts, f.sm_parts
+            forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
+        if f.sm_parts is not None:
+            forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: _own(s))
+        if f.e_parts is not None:
+            forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
+        return forms
+
 
 def demote(pool_name: str, data):
     """What an expert tensor evicted from ``pool_name`` keeps, for the cache's cascade: the
-    compressed pool's data is ``(E parts, SM parts)`` (``_admit``), each of which is the data of
-    the E-only and SM-only pools. The other pools' data keeps nothing a lower pool holds."""
+    compressed pool's data is ``(E parts, SM parts)`` (:meth:`DeviceSide.forms`), each of which
+    is the data of the E-only and SM-only pools. The other pools' data keeps nothing a lower
+    pool holds."""
     if pool_name != "compressed":
         return None
     e_parts, sm_parts = data

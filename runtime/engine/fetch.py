@@ -1,6 +1,7 @@
 """The records of a layer's fetches: one expert tensor being made whole (:class:`_Fetch`), one
 expert's fetches (:class:`_Group`), the latch of a split job, and which tensors need work in
-which order (:func:`expert_type`, :func:`issue_order`). Used by :mod:`.scheduler` and its jobs."""
+which order (:func:`expert_type`, :func:`issue_order`). Used by :mod:`.fetcher` and the stages
+it owns (:mod:`.reader`, :mod:`.decoder`, :mod:`.device_side`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import threading
 from zipmoe.runtime.engine.order import Task, order as priority_order
 from zipmoe.runtime.engine.tensors import ExpertTensor
 
-__all__ = ["issue_order", "expert_type", "PREFETCH_RANK"]
+__all__ = ["issue_order", "expert_type", "PREFETCH_RANK", "report_failure", "fan_out"]
+
 
 def _reads_of(state) -> tuple[bool, bool]:
     """(read E?, read SM?) for a tensor fetched from this cache state."""
@@ -80,6 +82,15 @@ class _Fetch:
         self.done(self, exc)
 
 
+def report_failure(fn, args, exc) -> None:
+    """A queued job raised outside its own error handling (the ``on_error`` of the reader and
+    decode threads): report it to the fetch it was for, so that its layer learns it at once."""
+    f = args[0] if args and isinstance(args[0], _Fetch) else None
+    if f is None or f.done is None:
+        raise exc
+    f.report(exc)
+
+
 class _Cancelled(Exception):
     """A dropped prefetch's job that had not started yet (not an error)."""
 
@@ -110,6 +121,25 @@ class _Group:
 
 
 PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues
+
+
+def fan_out(workers, rank, job, f, items: list, *extra) -> None:
+    """Run ``job(f, *item, latch, *extra)`` for every item of one fetch: every item but the first
+    queued on ``workers`` at ``rank``, the first run here; ``latch`` counts them down (the last
+    job learns the first error). An item that could not be queued counts as failed. One queued
+    job fans out so that a Ctrl-C (it lands only in the serving thread) cannot leave a fetch half
+    queued, and the thread that queued the fan-out goes back to its own work after one queue
+    operation."""
+    latch = _Latch(len(items))
+    queued = 1
+    try:
+        for item in items[1:]:
+            workers.submit(rank, job, f, *item, latch, *extra)
+            queued += 1
+    except BaseException as exc:  # noqa: BLE001
+        for _ in range(len(items) - queued):
+            latch.count_down(exc)  # never the last: the first job below is still to run
+    job(f, *items[0], latch, *extra)
 
 
 class _Latch:

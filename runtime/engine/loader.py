@@ -22,8 +22,8 @@ Steps (each a function below):
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ from zipmoe.units import parse_size
 from zipmoe.runtime.engine import dtypes
 from zipmoe.runtime.engine.experts_hook import FAST_IMPLEMENTATION, IMPLEMENTATION, SwitchExperts, register
 from zipmoe.runtime.engine.families import Family, family_for
+from zipmoe.runtime.engine.settings import EngineSettings
 
 __all__ = ["load", "requirements", "resolve_device", "params_on_meta"]
 
@@ -52,24 +53,34 @@ def resolve_device(device) -> torch.device:
     return torch.device(machine.resolve_device(device))
 
 
+_META = threading.local()  # .on: this thread's parameters go to the meta device (params_on_meta)
+
+
+def _param_to_meta(module, name, param):
+    """PyTorch's parameter-registration hook: on the loading thread only, the parameter's meta copy."""
+    if not getattr(_META, "on", False) or param is None or param.device.type == "meta":
+        return None
+    p = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    p.__dict__.update(param.__dict__)
+    return p
+
+
 @contextlib.contextmanager
 def params_on_meta():
-    """Every parameter registered inside this block lands on the meta device; buffers stay real."""
-    orig = nn.Module.register_parameter
+    """Every parameter this thread registers inside the block lands on the meta device; buffers
+    stay real (the rotary ``inv_freq`` computed in ``__init__``). Through PyTorch's own hook
+    (``register_module_parameter_registration_hook``, removed on exit) and limited to the calling
+    thread: nothing is patched, and modules other threads build meanwhile are untouched."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def register_parameter(self, name, param):
-        orig(self, name, param)
-        if param is not None and param.device.type != "meta":
-            p = self._parameters[name]
-            kw = dict(p.__dict__)
-            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            self._parameters[name].__dict__.update(kw)
-
-    nn.Module.register_parameter = register_parameter
+    handle = register_module_parameter_registration_hook(_param_to_meta)
+    prev = getattr(_META, "on", False)
+    _META.on = True
     try:
         yield
     finally:
-        nn.Module.register_parameter = orig
+        _META.on = prev
+        handle.remove()
 
 
 def _tensor_of(reader, entry) -> torch.Tensor:
@@ -146,52 +157,46 @@ def _experts_modules(model, family: Family, config: dict):
 
 
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
-         direct_io: bool = True, warm: bool = False, trace=None, dtype="bfloat16", slots=None,
-         kernels: str = "exact", cache_age: int | None = None, readers: int | None = None,
-         prefetch: bool | None = None, force: bool | None = None):
+         direct_io: bool | None = None, warm: bool = False, trace=None, dtype="bfloat16", slots=None,
+         kernels: str | None = None, cache_age: int | None = None, readers: int | None = None,
+         prefetch: bool | None = None, force: bool | None = None, settings: EngineSettings | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
     (dense weights, cache pools, in-flight buffers). ``device``: ``auto`` | ``cpu`` | ``cuda``.
-    ``plan``: a plan.json path (or dict) from ``zipmoe plan``: pool sizes. ``workers``: decode
-    threads (default: half the cores, at least 1). ``threads``: when given,
-    ``torch.set_num_threads(threads)`` (the CLI always passes one; the library leaves the
-    caller's setting alone otherwise). ``direct_io``: read experts with O_DIRECT where possible.
-    ``warm``: fill the full pool before returning. ``trace``: start an activation trace file.
-    ``dtype``: the dtype the model computes in: ``"bfloat16"`` (default; the bit-identity
-    reference is ``from_pretrained(..., dtype=torch.bfloat16)``), ``"float32"``, or ``"auto"``
-    (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``). Weights stay bf16 in the
-    container and the cache's compressed pools; float32 experts are converted (exactly) after
-    the merge, and the full pool holds them as float32.
-    ``slots``: hold the full pool in device slot tensors with an expert->slot map
-    (:mod:`.slots`, what CUDA graphs need); default: on CUDA only.
-    ``kernels``: ``"exact"`` (default: the experts computed as transformers' eager loop computes
-    them, bit for bit) or ``"fast"`` (transformers' grouped_mm experts function over the slots:
-    bit-identical to transformers with ``experts_implementation="grouped_mm"``, not to eager;
-    fused families only; needs a budget that holds every expert, which it loads at once).
-    ``force``: load even when the process's memory limit (cgroup, RLIMIT_AS/DATA) is below its
-    baseline + the budget + the KV cache (``serve.memlimit``; otherwise BudgetError says so with
-    the figures). None: the environment variable ``ZIPMOE_FORCE=1`` (what ``--force`` sets).
-    ``prefetch``: when layer L's router has chosen, read and decode the experts layer L+1 will
-    probably choose (``serve.prefetch``; predictions only move bytes). None (default):
-    ``ZIPMOE_PREFETCH=0/1`` when set, else on when the device is CUDA; off on the CPU, where decoding mispredicted experts takes cores from the
-    compute (docs/runtime.md, "Prefetch across layers").
-    ``readers``: reader threads, i.e. the queue depth of expert reads (default
-    ``ZIPMOE_READERS`` when set, else ``reads.DEFAULT_READERS``). ``cache_age``: the cache's counts halve every this many tokens (default
-    ``cache.DEFAULT_AGE_TOKENS``; 0: never).
+    ``plan``: a plan.json path (or dict) from ``zipmoe plan``: pool sizes. ``threads``: when
+    given, ``torch.set_num_threads(threads)`` (the CLI always passes one; the library leaves the
+    caller's setting alone otherwise). ``warm``: fill the full pool before returning. ``trace``:
+    start an activation trace file. ``dtype``: the dtype the model computes in: ``"bfloat16"``
+    (default; the bit-identity reference is ``from_pretrained(..., dtype=torch.bfloat16)``),
+    ``"float32"``, or ``"auto"`` (config.json's ``dtype``, as ``from_pretrained(dtype="auto")``).
+    Weights stay bf16 in the container and the cache's compressed pools; float32 experts are
+    converted (exactly) after the merge, and the full pool holds them as float32.
+
+    The engine's switches are an :class:`~zipmoe.runtime.engine.settings.EngineSettings`
+    (``settings``; every field documented there): ``workers`` (decode threads), ``readers``
+    (queue depth of expert reads), ``direct_io``, ``prefetch`` (None: on for CUDA, off on the
+    CPU), ``slots`` (None: on CUDA), ``kernels`` (``"exact"``: the experts as transformers'
+    eager loop computes them, bit for bit; ``"fast"``: transformers' grouped_mm over the slots,
+    every expert resident), ``cache_age``, ``force`` (load even when the process's memory limit
+    is below its baseline + the budget + the KV cache; otherwise BudgetError says so with the
+    figures), ``graphs`` and ``batched_sparse`` (the decode loop's CUDA graphs). The keyword
+    arguments of the same names override the fields of ``settings``. Nothing here reads the
+    environment: the command line does (docs/architecture.md, "Environment variables").
     The tokenizer is None when the container has no tokenizer files.
     """
     from zipmoe.codecs.reader import ContainerReader
 
-    if kernels not in ("exact", "fast"):
-        raise UsageError(f"unknown kernels {kernels!r} (use exact or fast)")
-    if kernels == "fast":
-        slots, warm = True, True
+    base = settings if settings is not None else EngineSettings()
+    st = base.with_(workers=workers, readers=readers, direct_io=direct_io, prefetch=prefetch, slots=slots,
+                    kernels=kernels, cache_age=cache_age, force=force)
+    if st.kernels == "fast":
+        st = st.with_(slots=True)
+        warm = True
     budget_bytes = parse_size(budget) if isinstance(budget, str) else int(budget)
     dev = resolve_device(device)
-    workers = machine.decode_workers() if workers is None else int(workers)
-    if workers < 1:
-        raise UsageError("--workers must be at least 1")
+    if st.workers is None:
+        st = st.with_(workers=machine.decode_workers())
     if threads is not None:
         if int(threads) < 1:
             raise UsageError("--threads must be at least 1")
@@ -201,8 +206,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
         raise ContainerError(f"{path}: no such file")
     reader = ContainerReader(path)
     try:
-        return _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype, slots=slots,
-                     kernels=kernels, cache_age=cache_age, readers=readers, prefetch=prefetch, force=force)
+        return _load(reader, path, budget_bytes, dev, plan, st, warm, trace, dtype)
     finally:
         reader.close()
 
@@ -218,10 +222,9 @@ def requirements(path, *, workers: int | None = None, device="cpu", dtype="bfloa
     """
     from zipmoe.codecs.reader import ContainerReader
 
-    workers = machine.decode_workers() if workers is None else int(workers)
+    st = EngineSettings(workers=machine.decode_workers() if workers is None else int(workers))
     with ContainerReader(path) as reader:
-        return _load(reader, Path(path), 1 << 62, resolve_device(device), None, workers, True, False, None, dtype,
-                     dry=True)
+        return _load(reader, Path(path), 1 << 62, resolve_device(device), None, st, False, None, dtype, dry=True)
 
 
 def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
@@ -231,8 +234,7 @@ def resolve_dtype(dtype, cfg: dict) -> torch.dtype:
     return getattr(torch, dtypes.compute_dtype(dtype, cfg))
 
 
-def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace, dtype="bfloat16", dry=False,
-          slots=None, kernels="exact", cache_age=None, readers=None, prefetch=None, force=None):
+def _load(reader, path, budget_bytes, dev, plan, st: EngineSettings, warm, trace, dtype="bfloat16", dry=False):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
@@ -267,8 +269,8 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
     compute_dtype = resolve_dtype(dtype, cfg_dict)
     kwargs = {"dtype": compute_dtype}
     if family.kind == "fused":
-        kwargs["experts_implementation"] = FAST_IMPLEMENTATION if kernels == "fast" else IMPLEMENTATION
-    elif kernels == "fast":
+        kwargs["experts_implementation"] = FAST_IMPLEMENTATION if st.kernels == "fast" else IMPLEMENTATION
+    elif st.kernels == "fast":
         raise UsageError(f"--kernels fast serves the fused families only, not {family.name}")
     with params_on_meta():
         model = auto.from_config(config, **kwargs)
@@ -333,25 +335,20 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
     if dry:
         from zipmoe.runtime.engine.core import dry_requirements
 
-        return dry_requirements(expert_tensors, dense_bytes, workers, dev.type == "cuda")
+        return dry_requirements(expert_tensors, dense_bytes, st.workers, dev.type == "cuda")
     from zipmoe.runtime.engine.memlimit import check as check_memory, kv_cache_bytes
 
-    if force is None:
-        force = os.environ.get("ZIPMOE_FORCE", "") not in ("", "0")
     kv = kv_cache_bytes(cfg_dict, torch.empty((), dtype=compute_dtype).element_size())
-    memory = check_memory(budget_bytes, kv, force=bool(force))
+    memory = check_memory(budget_bytes, kv, force=st.force)
     rt = Runtime(
         path=path, container_id=reader.container_id, meta=reader.meta, family=family, device=dev,
         expert_tensors=expert_tensors, sparse_layers=[layer for _, _, layer in experts], num_experts=num_experts,
         top_k=int(meta_model.get("top_k") or _top_k(cfg_dict)),
         num_layers=int(meta_model.get("num_layers") or len(experts)), dense_bytes=dense_bytes,
-        budget=budget_bytes, plan=plan, workers=workers, direct_io=direct_io, compute_dtype=expert_dtype,
-        slots=slots,
-        cache_age=cache_age, readers=default_readers() if readers is None else readers,
-        prefetch=_default_prefetch(dev) if prefetch is None else prefetch,
+        budget=budget_bytes, plan=plan, compute_dtype=expert_dtype, settings=st,
     )
     rt.memory_limit = memory
-    if kernels == "fast" and rt.pools["full"] < rt.expert_bytes_full:
+    if st.kernels == "fast" and rt.pools["full"] < rt.expert_bytes_full:
         from zipmoe.units import format_size
 
         need = budget_bytes + rt.expert_bytes_full - rt.pools["full"]
@@ -410,33 +407,6 @@ def _load(reader, path, budget_bytes, dev, plan, workers, direct_io, warm, trace
         rt.close()
         raise
     return model, tokenizer
-
-
-def default_readers() -> int:
-    """The reader threads (queue depth) a load without ``readers=`` uses: ``ZIPMOE_READERS``, else
-    :data:`reads.DEFAULT_READERS`."""
-    from zipmoe.runtime.engine.reads import DEFAULT_READERS
-
-    return _env_int("ZIPMOE_READERS") or DEFAULT_READERS
-
-
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise UsageError(f"{name}={v!r}: expected a whole number of at least 1")
-    return int(v)
-
-
-def _default_prefetch(dev) -> bool:
-    """On for CUDA, off on the CPU; ``ZIPMOE_PREFETCH=0/1`` decides instead (bench ablations)."""
-    v = os.environ.get("ZIPMOE_PREFETCH", "").strip()
-    if v in ("0", "1"):
-        return v == "1"
-    if v:
-        raise UsageError(f"ZIPMOE_PREFETCH={v!r}: expected 0 or 1")
-    return dev.type == "cuda"
 
 
 def _attach_predictor(model, rt, experts, num_experts: int) -> None:

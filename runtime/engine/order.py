@@ -1,5 +1,5 @@
 """The order in which one sparse layer's fetches run: the cache states, a tensor's task and
-the list-scheduling priority (the runtime's scheduler runs it; the planner's simulator in
+the list-scheduling priority (the fetcher runs it; the planner's simulator in
 runtime.plan.simulate models it).
 
 Every chosen expert tensor is in one cache state; its state decides its tasks::

@@ -9,9 +9,9 @@ close (the residual stream changes little per layer), so L''s gate on L's input 
 L''s real choice for most tokens. The counters measure how often (``prediction_by_layer``:
 precision and recall per layer).
 
-The scheduler reads and decodes the predicted experts that are not whole in the cache at a
+The fetcher reads and decodes the predicted experts that are not whole in the cache at a
 lower priority than the layer's own fetches, in window slots the budget already counts
-(:mod:`.scheduler`). Predictions only move bytes: the layer computes with what its router chose,
+(:mod:`.fetcher`). Predictions only move bytes: the layer computes with what its router chose,
 from fetches whose bytes were checked as any fetch's; a predicted expert that is not chosen is
 dropped unused (its errors too), one that is chosen is used as if fetched on demand.
 

@@ -22,12 +22,12 @@ import time
 import numpy as np
 
 from zipmoe.errors import ContainerError
+from zipmoe.runtime.engine.settings import DEFAULT_READERS  # noqa: F401  (reader threads: queue depth)
 
 ALIGN = 4096
 _REUSE_SLACK_MIN = 2 * ALIGN  # so that a reused buffer rounded up to pages still fits (see ReadBuffers.get)
 _COALESCE_GAP = 64 * 1024  # read across gaps up to this size (alignment padding) in one call
 READ_PIECE = 1 << 20  # the largest single read: a tensor's range is cut into pieces the readers share
-DEFAULT_READERS = 4  # reader threads (queue depth); benchmarks/read_qd.py measures the disk's curve
 
 
 def reuse_slack(n: int) -> int:
@@ -232,7 +232,7 @@ class ExpertStore:
         from :attr:`buffers`, for the caller to hand back once it no longer uses the view);
         without it a fresh one is mapped. ``state``: the cache state of the tensor read for
         (``Counters.reads_by_state``). The pieces are read one after the other here; the
-        scheduler hands them to its reader threads instead."""
+        fetcher hands them to its reader threads instead (engine/reader.py)."""
         if length <= 0:
             return np.empty(0, np.uint8)
         t0 = time.perf_counter()
@@ -253,4 +253,4 @@ def slice_of(buffers: list[tuple[int, np.ndarray]], rng: tuple[int, int]) -> np.
     for boff, arr in buffers:
         if boff <= off and off + ln <= boff + arr.shape[0]:
             return arr[off - boff : off - boff + ln]
-    raise AssertionError(f"range {rng} was not read")  # pragma: no cover - scheduler bug
+    raise AssertionError(f"range {rng} was not read")  # pragma: no cover - fetcher bug

@@ -15,7 +15,7 @@ class PriorityWorkers:
     """Threads that run queued jobs, the lowest rank first (ties: first queued first).
 
     A job that raises does not kill its thread: the exception goes to ``on_error(fn, args,
-    exc)`` (the scheduler hands it to the fetch the job was for, so that the layer waiting for
+    exc)`` (the fetcher hands it to the fetch the job was for, so that the layer waiting for
     that fetch learns it at once), or, without a handler, is kept in :attr:`failure` for
     whoever waits to find (:meth:`check`). A thread that stops anyway (the handler itself
     failed) is seen by :meth:`check` too: the layer waits with a timeout and asks.

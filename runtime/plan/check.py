@@ -43,7 +43,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     from zipmoe.runtime.plan.calibrate import encode, load_kwargs
     from zipmoe.runtime.engine.counters import DecodeClock
     from zipmoe.runtime.engine.loader import load
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
 
     workers = workers or plan.get("workers") or 1
     # torch threads as the CLI sets them: the cores the decode workers leave (oversubscribing the
@@ -62,9 +62,9 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
             ids = encode(tok, p).to(model.device)
             clock = DecodeClock(rt.counters) if timed else None
             with torch.inference_mode():
-                loop_generate(model, ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
-                               max_new_tokens=tokens, streamer=clock,
-                               pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
+                generate_ids(model, ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
+                              max_new_tokens=tokens, streamer=clock,
+                              pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
             if timed:
                 d = clock.delta()
                 total = d if total is None else _add(total, d)
@@ -73,7 +73,7 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
 
     serve(False)  # warm the cache
     gaps, d = serve(True)
-    rt.scheduler.close()
+    rt.fetcher.close()
     layer_calls = max(1, int(d["layer_calls"]))
     lm = d["layer_makespan_s"]
     return {

@@ -19,7 +19,7 @@ its distribution is a dynamic programme over the pool's slots (``LayerSet._pmfs`
 has the exact CPS probability ``prod_pool PB_pool(c_pool) / P(sum = k)``.
 
 Expected makespan. ``E[T] = sum_c P(c) * simulate(layer_tasks(c))`` with
-runtime.plan.simulate (the scheduler's own list schedule, memoised per count vector): no
+runtime.plan.simulate (the fetcher's own list schedule, memoised per count vector): no
 closed-form approximation is involved.
 """
 

@@ -1,5 +1,5 @@
-"""The scheduler's cost model and simulator for one sparse layer (shared by the runtime's
-scheduler, the planner and the simulator test).
+"""The fetcher's cost model and simulator for one sparse layer (shared by the runtime's
+fetcher, the planner and the simulator test).
 
 Once the router of a sparse layer has chosen, every chosen expert tensor is in one cache
 state, and its state decides its tasks (``R`` = read on the disk, ``D`` = decompress E on a
@@ -27,7 +27,7 @@ which the idle workers share, and the tensor is decompressed when its last job e
 decompress while its SM bytes were read; the runtime does neither, and the model overcharged
 misses against ``e_only`` hits by about 2x on the GPU: docs/benchmarks.md §7.)
 
-``Costs.merge_on_workers=True`` models the CPU runtime (runtime.engine.scheduler on a CPU device): the
+``Costs.merge_on_workers=True`` models the CPU runtime (runtime.engine.fetcher on a CPU device): the
 worker that decompresses a tensor merges it in the same job (decompress+merge is one worker op,
 at ``decomp_s + merge_s``), which starts once E *and* SM are in memory (so an ``e_only`` job
 waits for its SM read), and the device only computes. An expert (all tensors sharing a

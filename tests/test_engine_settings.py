@@ -1,0 +1,174 @@
+"""The engine's explicit settings: one object, no environment variable below the command line,
+no module flag, no process-wide patch; the fetch pipeline built from declared parts.
+
+References: the logits of each configuration are compared with transformers computing the same
+checkpoint with eager experts (test_runtime_fixtures.reference), torch.equal.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import zipmoe
+from zipmoe.errors import UsageError
+from zipmoe.runtime.engine.loader import params_on_meta, requirements
+from zipmoe.runtime.engine.settings import DEFAULT_READERS, EngineSettings
+
+from test_runtime_fixtures import container, inputs, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_settings_check_their_fields_in_one_line():
+    assert EngineSettings().kernels == "exact" and EngineSettings().readers == DEFAULT_READERS
+    for bad, match in ((dict(kernels="quick"), "unknown kernels"), (dict(graphs="maybe"), "graphs must be"),
+                       (dict(readers=0), "--readers"), (dict(workers=0), "--workers"), (dict(cache_age=-1), "cache_age")):
+        with pytest.raises(UsageError, match=match) as info:
+            EngineSettings(**bad)
+        assert "\n" not in str(info.value)
+    s = EngineSettings(readers=2)
+    assert s.with_(readers=None, prefetch=True) == EngineSettings(readers=2, prefetch=True)
+    assert s.resolved("cpu").prefetch is False and s.resolved("cuda").prefetch is True
+    assert s.resolved("cpu").slots is False and EngineSettings(slots=True).resolved("cpu").slots is True
+    assert set(EngineSettings.names()) == set(s.as_dict())
+
+
+def _reads_env(path: Path) -> list[str]:
+    """``os.environ[...]`` / ``os.environ.get(...)`` / ``os.getenv(...)`` of a ``ZIPMOE_`` name in a file."""
+    found = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {n.targets[0].id: n.value.value for n in ast.walk(tree)
+             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+             and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+    for node in ast.walk(tree):
+        arg = None
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+            arg = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr == "get" and isinstance(f.value, ast.Attribute) and f.value.attr == "environ") or f.attr == "getenv":
+                arg = node.args[0] if node.args else None
+        if arg is None:
+            continue
+        value = arg.value if isinstance(arg, ast.Constant) else names.get(getattr(arg, "id", None))
+        if isinstance(value, str) and value.startswith("ZIPMOE_"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {value}")
+    return found
+
+
+# The one environment variable read below the command line: the bench parent names the memory
+# cgroup its worker process joins before it imports torch (the worker's own start-up, not a switch).
+ALLOWED = {"ZIPMOE_BENCH_CGROUP"}
+
+
+def test_no_zipmoe_environment_variable_is_read_below_the_command_line():
+    found = []
+    for folder in ("zipmoe", "codecs", "kernels", "runtime"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += [f for f in _reads_env(path) if f.rsplit(": ", 1)[1] not in ALLOWED]
+    assert not found, "read these in zipmoe_cli and pass them down as arguments:\n" + "\n".join(found)
+    # the check sees what it should
+    probe = ROOT / "tests" / "_probe_env.py"
+    probe.write_text('import os\nV = "ZIPMOE_X"\na = os.environ.get("ZIPMOE_A")\nb = os.environ[V]\nc = os.getenv("ZIPMOE_C")\n')
+    try:
+        assert [f.rsplit(": ", 1)[1] for f in _reads_env(probe)] == ["ZIPMOE_A", "ZIPMOE_X", "ZIPMOE_C"]
+    finally:
+        probe.unlink()
+
+
+def test_no_module_flag_switches_the_graphs():
+    from zipmoe.runtime.engine import graphs
+
+    assert not hasattr(graphs, "BATCHED_SPARSE")
+    src = (ROOT / "runtime" / "engine" / "experts_hook.py").read_text()
+    assert "_zipmoe_break" not in src and "_zipmoe_break" not in (ROOT / "runtime" / "engine" / "graphs.py").read_text()
+
+
+def test_the_engine_ignores_the_environment(tmp_path_factory, monkeypatch):
+    """ZIPMOE_* variables set in the process change nothing a library caller gets."""
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=2)
+    monkeypatch.setenv("ZIPMOE_PREFETCH", "1")
+    monkeypatch.setenv("ZIPMOE_READERS", "3")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    try:
+        rt = model.zipmoe
+        assert rt.prefetch is False and rt.readers == DEFAULT_READERS
+        assert rt.describe()["settings"]["readers"] == DEFAULT_READERS
+    finally:
+        model.zipmoe.close()
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), settings=EngineSettings(workers=2, readers=3, prefetch=True))
+    try:
+        rt = model.zipmoe
+        assert rt.prefetch is True and rt.readers == 3 and len(rt.fetcher.reader) == 3 and rt.workers == 2
+    finally:
+        model.zipmoe.close()
+
+
+def test_parameters_go_to_meta_on_the_loading_thread_only():
+    made = {}
+
+    def other():
+        made["other"] = torch.nn.Linear(4, 4)
+
+    with params_on_meta():
+        inside = torch.nn.Linear(4, 4)
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+        inside.register_buffer("b", torch.ones(2))
+    after = torch.nn.Linear(4, 4)
+    assert inside.weight.device.type == "meta" and inside.weight.requires_grad
+    assert inside.b.device.type == "cpu"  # buffers stay real
+    assert made["other"].weight.device.type == "cpu" and after.weight.device.type == "cpu"
+    from torch.nn.modules import module as m
+
+    assert not m._global_parameter_registration_hooks  # the hook is gone
+
+
+def test_the_fetcher_is_built_from_declared_parts(tmp_path_factory):
+    """The runtime hands the fetcher its reader, decoder, device side, cache, working set and
+    counters; none of them holds the runtime."""
+    src, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
+    rt = model.zipmoe
+    try:
+        f = rt.fetcher
+        assert f.cache is rt.cache and f.working is rt.working and f.reader.store is rt.store
+        assert f.decoder.workers == rt.workers and f.device.compute_dtype == rt.compute_dtype
+        for part in (f, f.reader, f.decoder, f.device, f.working):
+            assert all(v is not rt for v in vars(part).values()), type(part).__name__
+        ref = reference(src)
+        batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=2)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+        assert rt.counters.hits["none"] > 0
+        old = rt.swap_cache(rt.cache)
+        assert old is rt.cache and rt.fetcher.cache is rt.cache
+    finally:
+        rt.close()
+
+
+def test_warm_fills_the_full_pool_through_the_pipeline(tmp_path_factory):
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=2, warm=True)
+    rt = model.zipmoe
+    try:
+        full = rt.cache.pools["full"]
+        assert full.used > 0 and full.capacity - full.used < max(t.compute_bytes for ts in rt.expert_tensors.values() for t in ts)
+        assert sum(rt.counters.hits.values()) == 0  # warming is no use of an expert
+        ref = reference(src)
+        batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=2, seed=3)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+        assert rt._inflight == 0
+    finally:
+        rt.close()
