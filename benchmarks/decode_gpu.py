@@ -10,7 +10,7 @@ codec does not matter with every expert resident), then for each batch size:
 * ``zipmoe-graphed``: ``zipmoe.load(..., warm=True)`` with a budget that holds every expert,
   a StaticCache, :class:`zipmoe.runtime.engine.graphs.GraphedStep` as served (its defaults);
 * ``zipmoe-batched`` (batch > 1 only): GraphedStep with ``batched_sparse=True``, the graphs of
-  batch > 1 sparse blocks (the default since graphs.BATCHED_SPARSE became True; before, the
+  batch > 1 sparse blocks (the default, EngineSettings.batched_sparse; before 1 Dec 2026 the
   default ran them on the host path);
 * ``zipmoe-pieces``: GraphedStep with ``graph_sparse=False`` (the pieces are graphs, every
   sparse block runs the host path): what the sparse blocks' graphs add;
@@ -50,7 +50,9 @@ def log(*a) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def build(work: Path, preset: str, layers: int | None) -> tuple[Path, Path]:
+def build(work: Path, preset: str, layers: int | None, codec: str = "raw") -> tuple[Path, Path]:
+    """The qwen2_moe ``preset`` (``layers`` decoder layers when given) synthesised (fused layout) and
+    packed with ``codec`` under ``work``, each step skipped when its output exists."""
     from zipmoe.codecs.writer import pack
     from zipmoe.runtime import synth
     from zipmoe.runtime.synth.family import Preset
@@ -63,15 +65,15 @@ def build(work: Path, preset: str, layers: int | None) -> tuple[Path, Path]:
         name = f"{preset}-{layers}L"
         fam.presets[name] = Preset(name, dict(base.config, num_hidden_layers=layers), f"{preset}, {layers} layers")
     src = work / f"{name}-src"
-    out = work / f"{name}.zmoe"
+    out = work / (f"{name}.zmoe" if codec == "raw" else f"{name}-{codec}.zmoe")
     if not (src / "config.json").exists():
         t = time.time()
         synth.write("qwen2_moe", src, preset=name, layout="fused", force=True, progress=False)
         log(f"synth {name}: {time.time() - t:.0f} s")
     if not out.exists():
         t = time.time()
-        pack(src, out, codec="raw", force=True)
-        log(f"pack (raw) {out.stat().st_size / 2**30:.2f} GiB: {time.time() - t:.0f} s")
+        pack(src, out, codec=codec, force=True)
+        log(f"pack ({codec}) {out.stat().st_size / 2**30:.2f} GiB: {time.time() - t:.0f} s")
     return src, out
 
 
@@ -81,12 +83,14 @@ def prompt_ids(vocab: int, batch: int, n: int, device) -> torch.Tensor:
 
 
 class Loop:
-    """Prefill then greedy steps over a StaticCache; ``step`` is GraphedStep or the eager step."""
+    """Prefill then greedy steps over a StaticCache; ``step`` is GraphedStep or the eager step
+    (engine/step.py's forward: the call the graphs capture, as the decode loop makes it)."""
 
     def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True, batched_sparse=None) -> None:
         from transformers import StaticCache
 
-        from zipmoe.runtime.engine.graphs import GraphedStep, eager_step
+        from zipmoe.runtime.engine.graphs import GraphedStep
+        from zipmoe.runtime.engine.step import forward
 
         self.model = model
         b, n = prompt.shape
@@ -96,20 +100,20 @@ class Loop:
         self.pos = n
         with torch.no_grad():
             self.logits = model(input_ids=prompt, attention_mask=self.mask, past_key_values=self.cache,
-                                use_cache=True).logits[:, -1:]
+                                use_cache=True).logits[:, -1]
         self.graph = (GraphedStep(model, self.cache, b, graph_sparse=graph_sparse, batched_sparse=batched_sparse)
                       if graphed else None)
-        self._eager = eager_step
+        self._eager = forward
 
     def step(self):
-        nxt = self.logits[:, -1].argmax(-1, keepdim=True)
+        nxt = self.logits.argmax(-1, keepdim=True)
         self.mask[:, self.pos] = 1
+        pos = torch.full((nxt.shape[0], 1), self.pos, dtype=torch.long, device=nxt.device)
         with torch.no_grad():
             if self.graph is not None:
-                pos = torch.full((1,), self.pos, device=nxt.device)
                 self.logits = self.graph(nxt, pos, self.mask)
             else:
-                self.logits = self._eager(self.model, self.cache, nxt, self.mask)
+                self.logits = self._eager(self.model, self.cache, nxt, pos, self.mask)
         self.pos += 1
         return self.logits
 

@@ -2,7 +2,7 @@
 
 The reference is transformers computing the same checkpoint with eager experts over a
 ``StaticCache``, step by step (:func:`decode`): prefill eagerly, then decode steps of one token
-each with an attention mask of the cache's length. GPU tests (``-m gpu``): every fused
+each as the decode loop makes them (engine/step.py: position ids, the mask of the cache's length). GPU tests (``-m gpu``): every fused
 family, batch 1 and 4, budgets where every expert is resident (warm: the sparse blocks are
 graphs) and where experts miss (the host path takes the layer mid-sequence), logits
 ``torch.equal`` at every step. CPU tests: the slot map's bookkeeping against the cache, and
@@ -20,7 +20,8 @@ import torch
 
 import zipmoe
 from zipmoe.runtime.engine.cache import ExpertCache
-from zipmoe.runtime.engine.graphs import GraphedStep, eager_step, supported, why_not
+from zipmoe.runtime.engine.graphs import GraphedStep, supported, why_not
+from zipmoe.runtime.engine.step import forward as step_forward
 from zipmoe.runtime.engine.loader import requirements
 from zipmoe.runtime.engine.slots import SlotMap
 
@@ -52,12 +53,13 @@ def decode(model, prompt, steps: int = STEPS, context: int = CONTEXT, graphs: bo
         nxt = out[-1][:, -1].argmax(-1, keepdim=True)
         pos = n + i
         mask[:, pos] = 1
+        pos_ids = torch.full((b, 1), pos, dtype=torch.long, device=prompt.device)
         with torch.no_grad():
             if step is None:
-                logits = eager_step(model, cache, nxt, mask)
+                logits = step_forward(model, cache, nxt, pos_ids, mask)
             else:
-                logits = step(nxt, torch.tensor([pos], device=prompt.device), mask)
-        out.append(logits.clone())
+                logits = step(nxt, pos_ids, mask)
+        out.append(logits.clone()[:, None])
     return out, step
 
 
@@ -77,7 +79,7 @@ def gpu_refs():
 @pytest.mark.parametrize("batched", [False, True], ids=["host-sparse", "batched-sparse"])
 @pytest.mark.parametrize("family", FUSED)
 def test_graphed_decode_is_bit_identical(tmp_path_factory, gpu_refs, family, batched):
-    """batched: batch 4's sparse blocks from graphs too (the default, graphs.BATCHED_SPARSE); not
+    """batched: batch 4's sparse blocks from graphs too (the default, EngineSettings.batched_sparse); not
     batched: batch 1 (its sparse blocks are always graphs) and batch 4 with its sparse blocks on the host path."""
     src, path = container(tmp_path_factory, family)
     ref = reference(src, "cuda")
@@ -322,7 +324,7 @@ def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
     batch 3 with left padding)."""
     from transformers import StaticCache
 
-    from zipmoe.runtime.engine.graphs import static_mask
+    from zipmoe.runtime.engine.step import static_mask
 
     src, path = container(tmp_path_factory, "qwen2_moe")
     ref = reference(src)
@@ -363,7 +365,7 @@ def _loop_style(model, prompt, mask, ctx, steps, graphed):
     cache = StaticCache(config=model.config, max_cache_len=ctx)
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     m = None if bool((mask == 1).all()) else mask
-    step = GraphedStep(model, cache, batch=batch, context=ctx) if graphed else None
+    step = GraphedStep(model, cache, batch=batch) if graphed else None
     out = []
     with torch.no_grad():
         logits = model(input_ids=prompt, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1]
@@ -385,7 +387,7 @@ def _loop_style(model, prompt, mask, ctx, steps, graphed):
 @CUDA
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
 def test_graphed_step_in_the_decode_loops_form(tmp_path_factory, family):
-    """GraphedStep(..., context=) as the decode loop calls it: position ids, the mask so far
+    """GraphedStep as the decode loop calls it: position ids, the mask so far
     (None without padding), [batch, vocab] logits equal to the loop's eager forward."""
     src, path = container(tmp_path_factory, family)
     ref = reference(src, "cuda")

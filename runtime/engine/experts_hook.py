@@ -13,7 +13,10 @@
   module (a ModuleDict of ``DenseActDense``), computing what its forward computes.
 
 Both read the runtime from ``module._zipmoe_runtime`` and the layer from ``module._zipmoe_layer``
-(set by the loader).
+(set by the loader). The math of one expert is :mod:`.expert_math`'s, shared with the CUDA graphs.
+While the runtime is intercepting experts calls (``Runtime.intercepted``: a CUDA graph capture
+ends a piece there), :func:`zipmoe_experts_forward` hands the call to the interceptor;
+:func:`experts_host_path` is the computation itself.
 
 Which tokens each expert gets is worked out on the host, not the device. The eager loop builds
 a one_hot mask on the device and calls ``torch.where(expert_mask[e])`` per hit expert: a
@@ -37,8 +40,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["zipmoe_experts_forward", "register", "SwitchExperts", "IMPLEMENTATION", "routed_indices",
-           "switch_indices", "per_expert", "FAST_IMPLEMENTATION", "zipmoe_grouped_mm_forward"]
+from zipmoe.runtime.engine.expert_math import accumulate, expert_output
+
+__all__ = ["zipmoe_experts_forward", "experts_host_path", "register", "SwitchExperts", "IMPLEMENTATION",
+           "routed_indices", "switch_indices", "per_expert", "FAST_IMPLEMENTATION", "zipmoe_grouped_mm_forward"]
 
 IMPLEMENTATION = "zipmoe"
 # ``kernels="fast"`` (``--kernels fast``): transformers' own grouped_mm experts function over the
@@ -115,9 +120,17 @@ def _to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
-    hook = getattr(self, "_zipmoe_break", None)
-    if hook is not None:  # a CUDA graph capture breaks here (engine/graphs.py)
-        return hook(self, hidden_states, top_k_index, top_k_weights)
+    """The experts module's forward (registered with transformers as ``"zipmoe"``)."""
+    intercept = self._zipmoe_runtime.intercept
+    if intercept is not None:  # a CUDA graph capture ends a piece here (engine/graphs.py)
+        return intercept(self, hidden_states, top_k_index, top_k_weights)
+    return experts_host_path(self, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_host_path(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts of one sparse block on the host path: the routing to the host, the chosen
+    experts fetched by the runtime and computed as they become whole, added in ascending id."""
     rt = self._zipmoe_runtime
     layer = self._zipmoe_layer
     final_hidden_states = torch.zeros_like(hidden_states)
@@ -133,17 +146,13 @@ def zipmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     def compute(expert_idx: int, weights) -> None:
         gate_up, down = _as_reference(weights, grad)
         top_k_pos, token_idx = parts[expert_idx]  # torch.where(expert_mask[expert_idx])
-        current_state = hidden_states[token_idx]
-        gate, up = nn.functional.linear(current_state, gate_up).chunk(2, dim=-1)
-        current_hidden_states = act_fn(gate) * up
-        current_hidden_states = nn.functional.linear(current_hidden_states, down)
-        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-        outputs[expert_idx] = (token_idx, current_hidden_states)
+        outputs[expert_idx] = (token_idx, expert_output(hidden_states, token_idx, top_k_pos, gate_up, down, act_fn,
+                                                        top_k_weights))
 
     rt.run_layer(layer, experts, compute, trace_ids=lambda: ids.tolist(), hidden=hidden_states)
     for expert_idx in experts:  # ascending: the eager accumulation order
         token_idx, current_hidden_states = outputs.pop(expert_idx)
-        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+        accumulate(final_hidden_states, token_idx, current_hidden_states)
     return final_hidden_states
 
 

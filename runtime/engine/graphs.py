@@ -1,36 +1,35 @@
 """A decode step replayed from CUDA graphs, with logits ``torch.equal`` to the eager step.
 
-The eager step (:func:`eager_step`) is one forward of the served model over a transformers
-``StaticCache``::
+The eager step is :func:`zipmoe.runtime.engine.step.forward`, the decode loop's one forward:
+``[batch, 1]`` new ids at ``[batch, 1]`` position ids over a transformers ``StaticCache``, the
+mask in its static ``[batch, context]`` form, ``logits_to_keep=1``. :class:`GraphedStep`
+captures that very call (same function, same arguments) and replays it:
 
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-
-with ``ids`` [batch, 1] and ``mask`` [batch, max_cache_len] (1 for the positions written so
-far and the new one). :class:`GraphedStep` computes the same logits by replaying CUDA graphs:
-
-* piecewise: the model's forward is captured in pieces that break at every sparse block's
-  experts call (the ``_zipmoe_break`` hook of :mod:`.experts_hook`): embeddings, norms,
-  attention with the static cache, the router and the shared expert replay from one graph
-  per piece; the static cache's own device counter (``cumulative_length``) places the new
-  key/values, so the same graphs serve every position;
+* piecewise: the forward is captured in pieces that break at every sparse block's experts call
+  (the runtime's interceptor, ``Runtime.intercepted``, active only while capturing):
+  embeddings, norms, attention with the static cache, the router and the shared expert replay
+  from one graph per piece; the static cache's own device counter (``cumulative_length``)
+  places the new key/values, so the same graphs serve every position;
 * the sparse block at batch 1 is a graph too: the router's ``top_k`` ids are sorted on the
   device (ascending, the eager loop's order), the experts' slots are read from the
   device-side expert->slot map (:mod:`.slots`), their weights gathered into static buffers
-  (``index_select``, an exact copy), and each expert computes with the eager loop's own ops
-  (``F.linear`` with the [2I, H] weight, ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with
-  the [H, I] weight, times the routing weight, ``index_add_`` in ascending expert order). The
-  host learns the routing with one small device->host copy per layer, issued before that
-  graph: when every routed expert sits in a slot, the host goes on to the next piece while
-  the GPU computes; otherwise the layer runs the host path (the runtime's scheduler fetches
-  the misses) and its output replaces the graph's;
+  (``index_select``, an exact copy), and each expert computes with :mod:`.expert_math`, the
+  functions the host path computes with. The host learns the routing with one small
+  device->host copy per layer, issued before that graph: when every routed expert sits in a
+  slot, the host goes on to the next piece while the GPU computes; otherwise the layer runs the
+  host path (:func:`.experts_hook.experts_host_path`: the runtime fetches the misses) and its
+  output replaces the graph's;
 * at batch > 1 the number of tokens each expert gets depends on the routing, and so do the
   eager loop's ``F.linear`` shapes: one graph per (rank among the layer's hit experts, token
   count) is captured (:class:`_Grouped`), and the host, once it has the routing (the same
   small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
   into one index buffer and replays the graphs of the layer's experts in ascending order:
   the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
-  runs the host path. On by default (:data:`BATCHED_SPARSE`; ``batched_sparse=False`` sends
-  batch > 1 sparse blocks to the host path).
+  runs the host path. On unless ``EngineSettings.batched_sparse`` is False (then batch > 1
+  sparse blocks run on the host path).
+
+A layer served from graphs is accounted as if it ran on the host path: the same cache uses and
+hit counts (``Runtime.layer_computed``).
 
 The first call runs the eager step (warm-up); the second captures (and computes its step
 while capturing: each piece is replayed as soon as it is captured); later calls replay.
@@ -44,43 +43,14 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.nn import functional as F
 
-from zipmoe.runtime.engine.hf_compat import cache_kw
+from zipmoe.runtime.engine.expert_math import accumulate, expert_output
+from zipmoe.runtime.engine.experts_hook import experts_host_path, routed_indices
+from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
-__all__ = ["GraphedStep", "supported", "eager_step", "BATCHES", "why_not", "static_mask"]
+__all__ = ["GraphedStep", "supported", "BATCHES", "why_not"]
 
 BATCHES = (1, 2, 3, 4, 8)
-# Batch > 1 sparse blocks from graphs (_Grouped), on by default since `pytest -m gpu` passed on an
-# H200 with this version (1 Dec 2026, transformers 5.17: test_graphed_decode_is_bit_identical's
-# batched variants, every fused family, torch.equal with the eager reference at every step) and
-# decode_gpu.py measured it identical to transformers' eager experts (docs/benchmarks.md §13,
-# run 3). ``batched_sparse=False`` runs batch > 1 sparse blocks on the host path instead.
-BATCHED_SPARSE = True
-
-
-def eager_step(model, cache, input_ids, attention_mask):
-    """The reference decode step: one forward over the static cache."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_kw(model): cache}).logits
-
-
-def static_mask(attention_mask, position_ids, context: int):
-    """The decode loop's mask as a [batch, context] mask (what the graphs take).
-
-    ``attention_mask``: None (no padding: every position up to ``position_ids``) or the
-    [batch, kv_length] mask of every position so far; transformers pads it with zeros to the
-    static cache's length itself (``prepare_padding_mask``), so the padded mask builds the same
-    4-D mask. ``position_ids``: [batch, 1]."""
-    b = position_ids.shape[0]
-    if attention_mask is None:
-        ar = torch.arange(context, device=position_ids.device)[None]
-        return (ar <= position_ids.reshape(b, -1)[:, -1:]).to(torch.int64)
-    n = attention_mask.shape[-1]
-    if n > context:
-        raise ValueError(f"attention_mask has {n} positions; the static cache holds {context}")
-    out = torch.zeros((b, context), dtype=torch.int64, device=attention_mask.device)
-    out[:, :n] = attention_mask
-    return out
 
 
 def _experts_modules(model) -> list:
@@ -188,12 +158,8 @@ class _Grouped:
         gate_up, down = self.w["gate_up"], self.w["down"]
         torch.index_select(self.arenas["gate_up"].data, 0, row[2 * b:2 * b + 1], out=gate_up)
         torch.index_select(self.arenas["down"].data, 0, row[2 * b + 1:2 * b + 2], out=down)
-        current_state = self.hid[token_idx]
-        gate, up = F.linear(current_state, gate_up[0]).chunk(2, dim=-1)
-        h = self.act_fn(gate) * up
-        h = F.linear(h, down[0])
-        h = h * self.wts[token_idx, top_k_pos, None]
-        self.out.index_add_(0, token_idx, h.to(self.out.dtype))
+        h = expert_output(self.hid, token_idx, top_k_pos, gate_up[0], down[0], self.act_fn, self.wts)
+        accumulate(self.out, token_idx, h)
 
     def run(self, sp: _Sparse, experts: list, index, sizes: list, slots) -> None:
         """Write the layer's routing into the index buffer and replay its hit experts' graphs."""
@@ -220,23 +186,18 @@ class _Grouped:
 
 
 class GraphedStep:
-    """``step(input_ids, cache_position, attention_mask=None) -> logits`` from CUDA graphs.
+    """``step(input_ids [batch, 1], position_ids [batch, 1], attention_mask) -> [batch, vocab]``
+    logits from CUDA graphs, ``torch.equal`` to :func:`zipmoe.runtime.engine.step.forward`.
 
-    With ``context=`` (how :class:`zipmoe.runtime.engine.loop.DecodeLoop` builds it) the step
-    follows the loop's hook instead: ``step(input_ids [batch, 1], position_ids [batch, 1],
-    attention_mask) -> [batch, vocab]`` logits of what ``DecodeLoop.forward`` computes
-    (``position_ids`` and ``logits_to_keep=1`` passed to the model; the mask None or the
-    [batch, kv_length] mask so far, made [batch, context] by :func:`static_mask`).
-
-    ``cache``: the transformers StaticCache the prefill filled (the graphs hold its tensors).
-    ``attention_mask`` [batch, max_cache_len]; None means every position up to
-    ``cache_position`` (no padding). ``graph_sparse=False`` runs every sparse block on the host
-    path (for comparisons); ``batched_sparse`` (default :data:`BATCHED_SPARSE`) graphs the
-    sparse blocks at batch > 1 (:class:`_Grouped`).
+    ``attention_mask``: None (no padding) or the ``[batch, seen]`` mask of every position so far,
+    the new one included (made ``[batch, context]`` by :func:`~zipmoe.runtime.engine.step.static_mask`),
+    or already ``[batch, context]``. ``cache``: the transformers StaticCache the prefill filled
+    (the graphs hold its tensors). ``graph_sparse=False`` runs every sparse block on the host
+    path (for comparisons); ``batched_sparse`` graphs the sparse blocks at batch > 1
+    (:class:`_Grouped`; None: the runtime's ``EngineSettings.batched_sparse``).
     """
 
-    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None,
-                 *, context: int | None = None) -> None:
+    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None) -> None:
         reason = why_not(model, batch)
         if reason is not None:
             raise ValueError(f"GraphedStep cannot serve this model: {reason}")
@@ -245,8 +206,10 @@ class GraphedStep:
         self.batch = int(batch)
         self.rt = model.zipmoe
         self.slots = self.rt.slots
+        if batched_sparse is None:
+            batched_sparse = self.rt.settings.batched_sparse
         self.graph_sparse = graph_sparse and self.batch == 1
-        self.graph_grouped = graph_sparse and self.batch > 1 and (BATCHED_SPARSE if batched_sparse is None else batched_sparse)
+        self.graph_grouped = graph_sparse and self.batch > 1 and bool(batched_sparse)
         self._grouped: dict = {}
         self.modules = _experts_modules(model)
         self.calls = 0
@@ -254,10 +217,8 @@ class GraphedStep:
         self.sparse: list[_Sparse] = []
         self.stream = torch.cuda.Stream(device=self.rt.device)
         self.pool = None
-        self.s_ids = self.s_mask = self.s_logits = None
-        self.ctx = None
-        self.loop_mode = context is not None
-        self.s_pos = None
+        self.s_ids = self.s_pos = self.s_mask = self.s_logits = None
+        self.ctx = int(cache.layers[0].max_cache_len)
         # batch 1's sparse graphs: static weight buffers shared by every layer of one kind
         self._w: dict = {}
         self._ids_host = None
@@ -265,77 +226,47 @@ class GraphedStep:
         self.stats = {"graphed_layers": 0, "host_layers": 0}
 
     # ------------------------------------------------------------------ public
-    def __call__(self, input_ids, cache_position, attention_mask=None):
+    def __call__(self, input_ids, position_ids, attention_mask=None):
+        if input_ids.shape != (self.batch, 1):
+            raise ValueError(f"GraphedStep takes input ids of shape [{self.batch}, 1], got {list(input_ids.shape)}")
+        pos = position_ids.reshape(self.batch, 1)
+        if attention_mask is None or attention_mask.shape[-1] != self.ctx:
+            attention_mask = static_mask(attention_mask, pos, self.ctx)
         with torch.no_grad():
-            if self.loop_mode:
-                pos = cache_position.reshape(self.batch, 1)
-                if self.ctx is None:
-                    self.ctx = int(self.cache.layers[0].max_cache_len)
-                attention_mask = static_mask(attention_mask, pos, self.ctx)
-            else:
-                pos = None
-            mask = self._mask(input_ids, cache_position, attention_mask)
             self.calls += 1
             if self.calls == 1:  # warm-up: the eager step, on the capture stream
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    logits = self._forward(input_ids, pos, mask)
+                    logits = self._forward(input_ids, pos, attention_mask)
                 torch.cuda.current_stream().wait_stream(self.stream)
-                return self._out(logits)
+                return logits
             if not self.pieces:
-                return self._out(self._capture(input_ids, pos, mask))
+                return self._capture(input_ids, pos, attention_mask)
             self.s_ids.copy_(input_ids)
-            self.s_mask.copy_(mask)
-            if pos is not None:
-                self.s_pos.copy_(pos)
+            self.s_pos.copy_(pos)
+            self.s_mask.copy_(attention_mask)
             for piece, sp in zip(self.pieces, self.sparse):
                 piece.replay()
                 self._sparse_step(sp)
             self.pieces[-1].replay()
-            return self._out(self.s_logits.clone())
-
-    def _out(self, logits):
-        return logits[:, -1] if self.loop_mode else logits
+            return self.s_logits.clone()
 
     def _forward(self, ids, pos, mask):
-        """The eager step (with the loop's position ids and logits_to_keep in loop mode)."""
-        if pos is None:
-            return eager_step(self.model, self.cache, ids, mask)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                          **{cache_kw(self.model): self.cache}).logits
-
-    def _mask(self, input_ids, cache_position, attention_mask):
-        if input_ids.shape != (self.batch, 1):
-            raise ValueError(f"GraphedStep takes input ids of shape [{self.batch}, 1], got {list(input_ids.shape)}")
-        if self.ctx is None:
-            self.ctx = int(self.cache.layers[0].max_cache_len)
-        if attention_mask is None:
-            pos = cache_position.reshape(-1)[-1]
-            row = torch.arange(self.ctx, device=input_ids.device) <= pos
-            return row.to(torch.int64).unsqueeze(0).expand(self.batch, -1)
-        if attention_mask.shape != (self.batch, self.ctx):
-            raise ValueError(f"attention_mask must be [{self.batch}, {self.ctx}] (the static cache's length), "
-                             f"got {list(attention_mask.shape)}")
-        return attention_mask
+        """The eager step: the decode loop's own forward."""
+        return step_forward(self.model, self.cache, ids, pos, mask)
 
     # ------------------------------------------------------------------ capture
     def _capture(self, input_ids, pos, mask):
         self.s_ids = input_ids.clone()
+        self.s_pos = pos.clone()
         self.s_mask = mask.clone()
-        self.s_pos = None if pos is None else pos.clone()
         self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         self.stream.wait_stream(torch.cuda.current_stream())
-        for m in self.modules:
-            m._zipmoe_break = self._break
-        try:
-            with torch.cuda.stream(self.stream):
-                self._cur = self._begin()
-                self.s_logits = self._forward(self.s_ids, self.s_pos, self.s_mask)
-                self._end_piece()
-        finally:
-            for m in self.modules:
-                m._zipmoe_break = None
+        with self.rt.intercepted(self._break), torch.cuda.stream(self.stream):
+            self._cur = self._begin()
+            self.s_logits = self._forward(self.s_ids, self.s_pos, self.s_mask)
+            self._end_piece()
         torch.cuda.current_stream().wait_stream(self.stream)
         torch.cuda.synchronize()
         return self.s_logits.clone()
@@ -383,7 +314,7 @@ class GraphedStep:
         return bufs
 
     def _sparse_graph_body(self, sp: _Sparse) -> None:
-        """Batch 1, every routed expert in a slot: the eager loop's ops on gathered weights."""
+        """Batch 1, every routed expert in a slot: :mod:`.expert_math` on gathered weights."""
         mod = sp.module
         slots = self.slots
         row = slots.row[sp.layer]
@@ -397,15 +328,9 @@ class GraphedStep:
         out = sp.out
         out.zero_()
         token_idx = torch.zeros(1, dtype=torch.int64, device=out.device)
-        current_state = sp.hidden[token_idx]
-        act_fn = mod.act_fn
         for j in range(gate_up.shape[0]):
-            top_k_pos = perm[j:j + 1]
-            gate, up = F.linear(current_state, gate_up[j]).chunk(2, dim=-1)
-            h = act_fn(gate) * up
-            h = F.linear(h, down[j])
-            h = h * sp.weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, h.to(out.dtype))
+            h = expert_output(sp.hidden, token_idx, perm[j:j + 1], gate_up[j], down[j], mod.act_fn, sp.weights)
+            accumulate(out, token_idx, h)
 
     # ------------------------------------------------------------------ one sparse block
     def _routing_to_host(self, sp: _Sparse) -> None:
@@ -415,15 +340,9 @@ class GraphedStep:
         self._ids_host.copy_(sp.ids, non_blocking=True)
         self._event.record()
 
-    def _graphed_hits(self, sp: _Sparse, experts, t0: float) -> None:
+    def _graphed(self, sp: _Sparse, experts, t0: float) -> None:
         """Account a sparse block served from graphs: every routed expert a full-pool hit."""
-        rt = self.rt
-        cache, counters = rt.cache, rt.counters
-        for e in experts:
-            for t in rt.expert_tensors[(sp.layer, e)]:
-                cache.touch(t.uid)
-                counters.add_hit("full")
-        counters.add_layer(sp.layer, time.perf_counter() - t0, len(experts))
+        self.rt.layer_computed(sp.layer, experts, time.perf_counter() - t0)
         self.stats["graphed_layers"] += 1
 
     def _sparse_step(self, sp: _Sparse) -> None:
@@ -435,25 +354,15 @@ class GraphedStep:
             self._event.synchronize()
             experts = sorted(set(self._ids_host[0].tolist()))
             if all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
-                return self._graphed_hits(sp, experts, t0)
+                return self._graphed(sp, experts, t0)
         elif sp.grouped is not None:
             t0 = time.perf_counter()
             self._routing_to_host(sp)
             self._event.synchronize()
-            from zipmoe.runtime.engine.experts_hook import routed_indices
-
             experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
             if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
                 sp.grouped.run(sp, experts, index, sizes, self.slots)
-                return self._graphed_hits(sp, experts, t0)
-        # the host path: the runtime's experts function (fetches misses), its output replaces the graph's
-        from zipmoe.runtime.engine.experts_hook import zipmoe_experts_forward
-
-        hook = getattr(sp.module, "_zipmoe_break", None)
-        sp.module._zipmoe_break = None
-        try:
-            res = zipmoe_experts_forward(sp.module, sp.hidden, sp.ids, sp.weights)
-        finally:
-            sp.module._zipmoe_break = hook
-        sp.out.copy_(res)
+                return self._graphed(sp, experts, t0)
+        # the host path: the runtime's experts computation (fetches misses), its output replaces the graph's
+        sp.out.copy_(experts_host_path(sp.module, sp.hidden, sp.ids, sp.weights))
         self.stats["host_layers"] += 1

@@ -1,0 +1,47 @@
+"""The decode step's one forward: what :class:`~zipmoe.runtime.engine.loop.DecodeLoop` runs eagerly
+and what :class:`~zipmoe.runtime.engine.graphs.GraphedStep` captures, the same call with the same
+arguments, so that a step's bits cannot depend on whether it replayed from a graph.
+
+A step feeds one new token per row at ``position_ids`` over a transformers ``StaticCache`` of
+``context`` positions, with the attention mask in its static form ``[batch, context]``
+(:func:`static_mask`: 1 for every position written so far and the new one); transformers builds
+the same 4-D mask from it as from the ``[batch, seen]`` mask ``generate`` passes (it pads that
+with zeros to the cache's length itself, ``prepare_padding_mask``), and a graph can replay it
+(its shape never changes). ``logits_to_keep=1``, as ``generate`` asks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zipmoe.runtime.engine.hf_compat import cache_kw
+
+__all__ = ["forward", "static_mask"]
+
+
+def static_mask(attention_mask, position_ids, context: int) -> torch.Tensor:
+    """A step's mask as ``[batch, context]`` int64.
+
+    ``attention_mask``: None (no padding: every position up to ``position_ids``) or the
+    ``[batch, kv_length]`` mask of every position so far, the new one included.
+    ``position_ids``: ``[batch, 1]``."""
+    b = position_ids.shape[0]
+    if attention_mask is None:
+        ar = torch.arange(context, device=position_ids.device)[None]
+        return (ar <= position_ids.reshape(b, -1)[:, -1:]).to(torch.int64)
+    n = attention_mask.shape[-1]
+    if n > context:
+        raise ValueError(f"attention_mask has {n} positions; the static cache holds {context}")
+    out = torch.zeros((b, context), dtype=torch.int64, device=attention_mask.device)
+    out[:, :n] = attention_mask
+    return out
+
+
+def forward(model, cache, input_ids, position_ids, attention_mask, keep_last: bool = True) -> torch.Tensor:
+    """One forward over ``cache``: ``[batch, n]`` ids at ``position_ids`` -> ``[batch, vocab]``
+    logits of the last position (model dtype). ``keep_last``: pass ``logits_to_keep=1`` (models
+    whose forward takes it)."""
+    kw = {"logits_to_keep": 1} if keep_last else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                **{cache_kw(model): cache}, **kw)
+    return out.logits[:, -1]
