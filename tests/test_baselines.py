@@ -209,16 +209,90 @@ def test_deepspeed_single_process_env(monkeypatch):
 
 
 def test_deepspeed_offload_override_is_checked(monkeypatch):
+    """The worker spec's ``deepspeed_offload`` decides (the environment does not: `zipmoe bench`
+    reads ZIPMOE_BENCH_DEEPSPEED_OFFLOAD and puts it in the spec)."""
+    with pytest.raises(UsageError, match="'disk': use nvme or cpu"):
+        deepspeed_engine.before_load({"device": "cpu", "deepspeed_offload": "disk"})
+    with pytest.raises(UsageError, match="'disk': use nvme or cpu"):
+        deepspeed_engine.check_offload("disk")
+    assert [deepspeed_engine.check_offload(v) for v in (None, "", "auto", "nvme", "cpu")] == [None, None, None, "nvme", "cpu"]
     if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(UsageError, match=r"zipmoe\[baselines\]"):
             deepspeed_engine.before_load({"device": "cpu"})
         return
-    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "disk")
-    with pytest.raises(UsageError, match="use nvme or cpu"):
-        deepspeed_engine.before_load({"device": "cpu"})
-    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "cpu")
-    info = deepspeed_engine.before_load({"device": "cpu"})
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "disk")  # read nowhere below the command line
+    info = deepspeed_engine.before_load({"device": "cpu", "deepspeed_offload": "cpu"})
     assert info["offload_param"] == "cpu" and "outside the budget" in info["budget_broken"]
+    assert "--deepspeed-offload cpu" in info["budget_broken"]
+    assert deepspeed_engine.build_ops("cpu", "cpu") == []  # nothing to build for the cpu offload
+
+
+def test_deepspeed_load_in_budget_comes_from_the_spec(monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    monkeypatch.setattr(deepspeed_engine, "aio_available", lambda: (True, ""))
+    assert deepspeed_engine.before_load({"device": "cpu"})["cgroup_after_load"] == deepspeed_engine.LOAD_NOTE
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "1")  # read nowhere below the command line
+    assert "cgroup_after_load" in deepspeed_engine.before_load({"device": "cpu"})
+    assert "cgroup_after_load" not in deepspeed_engine.before_load({"device": "cpu", "deepspeed_load_in_budget": True})
+
+
+def test_bench_reads_the_deepspeed_environment_and_options(tmp_path, monkeypatch, capsys):
+    """`zipmoe bench` turns ZIPMOE_BENCH_DEEPSPEED_* (and its options, which win) into the
+    BenchConfig the engines' workers get; a wrong value is one line, before anything runs."""
+    from test_cli_pack import assert_one_line_error, run
+    from zipmoe.runtime.bench import run as bench_run
+
+    seen = []
+
+    def fake_run_bench(cfg, log=None, progress_factory=None):
+        seen.append(cfg)
+        return {"summary": []}, []
+
+    monkeypatch.setattr(bench_run, "run_bench", fake_run_bench)
+    monkeypatch.setattr("zipmoe_cli.bench._print_report", lambda *a, **k: None)
+    z = tmp_path / "x.zmoe"
+    z.write_bytes(b"")
+    args = ["bench", z, "--engine", "deepspeed", "--budget", "1G"]
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "cpu")
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", "60")
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "1")
+    monkeypatch.setenv("ZIPMOE_READERS", "3")
+    monkeypatch.setenv("ZIPMOE_PREFETCH", "0")
+    monkeypatch.setenv("ZIPMOE_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    c = seen.pop()
+    assert (c.deepspeed_offload, c.deepspeed_build_timeout_s, c.deepspeed_load_in_budget) == ("cpu", 60.0, True)
+    assert (c.readers, c.prefetch, c.cache_dir) == (3, False, tmp_path / "cache")
+    code, _, err = run(capsys, *args, "--deepspeed-offload", "nvme", "--deepspeed-build-timeout", "5",
+                       "--deepspeed-load-unbudgeted")
+    assert code == 0, err
+    c = seen.pop()
+    assert (c.deepspeed_offload, c.deepspeed_build_timeout_s, c.deepspeed_load_in_budget) == ("nvme", 5.0, False)
+    for k in ("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", "ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET",
+              "ZIPMOE_READERS", "ZIPMOE_PREFETCH"):
+        monkeypatch.delenv(k)
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    c = seen.pop()
+    assert (c.deepspeed_offload, c.deepspeed_build_timeout_s, c.deepspeed_load_in_budget, c.readers, c.prefetch) == \
+        (None, None, False, None, None)
+    for extra, env, needle in [
+        ((), ("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "disk"), "ZIPMOE_BENCH_DEEPSPEED_OFFLOAD='disk': use nvme or cpu"),
+        (("--deepspeed-offload", "disk"), None, "--deepspeed-offload 'disk': use nvme or cpu"),
+        ((), ("ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", "soon"), "ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT='soon': expected seconds"),
+        (("--deepspeed-build-timeout", "0"), None, "--deepspeed-build-timeout must be a number of seconds above 0"),
+        ((), ("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "yes"), "ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET='yes': expected 0 or 1"),
+        ((), ("ZIPMOE_READERS", "x"), "ZIPMOE_READERS='x': expected a whole number of at least 1"),
+    ]:
+        if env:
+            monkeypatch.setenv(*env)
+        code, _, err = run(capsys, *args, *extra)
+        assert_one_line_error(code, err, needle)
+        if env:
+            monkeypatch.delenv(env[0])
+    assert not seen
 
 
 # ----------------------------------------------------------------------------- tables and tokens

@@ -25,13 +25,13 @@ def tiny(tmp_path_factory):
     return root
 
 
-def _bench(root, engine, capsys, name):
+def _bench(root, engine, capsys, name, *extra):
     from zipmoe_cli.app import main
 
     out = root / f"{name}.json"
     argv = ["bench", str(root / "mx.zmoe"), "--engine", "zipmoe", "--engine", engine, "--budget", "2M", "--new-tokens", "4", "--runs", "1",
             "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1", "--source", str(root / "mx"), "--json", str(out),
-            "--work-dir", str(root / f"work-{name}"), "--disk-bw", "1G", "--paper", "--engine-timeout", "240"]
+            "--work-dir", str(root / f"work-{name}"), "--disk-bw", "1G", "--paper", "--engine-timeout", "240", *extra]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     cap = capsys.readouterr()
@@ -45,8 +45,7 @@ def _missing_extra(code, cap, doc, engine):
 
 
 def test_deepspeed_cpu_offload_runs_outside_the_budget(tiny, capsys, monkeypatch):
-    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "cpu")
-    code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-cpu")
+    code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-cpu", "--deepspeed-offload", "cpu")
     if importlib.util.find_spec("deepspeed") is None:
         return _missing_extra(code, cap, doc, "deepspeed")
     assert code == 0, cap.err[-3000:]
@@ -64,10 +63,9 @@ NVME_BUILD_TIMEOUT_S = 600
 
 
 def test_deepspeed_nvme_offload_or_one_line(tiny, capsys, monkeypatch):
-    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "nvme")
+    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "nvme")  # the command line reads it (zipmoe_cli/env.py)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tiny / "torch_extensions"))
-    monkeypatch.setenv("ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", str(NVME_BUILD_TIMEOUT_S))
-    code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-nvme")
+    code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-nvme", "--deepspeed-build-timeout", str(NVME_BUILD_TIMEOUT_S))
     if importlib.util.find_spec("deepspeed") is None:
         return _missing_extra(code, cap, doc, "deepspeed")
     ds = next((d for d in doc["results"] if d["engine"] == "deepspeed"), None)

@@ -29,7 +29,10 @@ def container(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
+    """The profile cache of the command line's runs (it reads ZIPMOE_CACHE_DIR; the library gets
+    ``cache_dir=`` from the tests that call it)."""
     monkeypatch.setenv("ZIPMOE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def _run(args, capsys):
@@ -146,48 +149,72 @@ def test_not_a_container(tmp_path, capsys):
     assert code == 1 and err.startswith("zipmoe: error:")
 
 
-def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(container, tmp_path):
+def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(container, tmp_path, _cache):
     from zipmoe.runtime.plan.profile import costs_of, default_profile_path, get_profile
 
     path, cid = container
-    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True)
-    assert src == "measured" and default_profile_path(cid).exists()
+    cache = tmp_path / "lib-cache"
+    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True, cache_dir=cache)
+    assert src == "measured" and default_profile_path(cid, cache_dir=cache).exists()
     assert prof["disk"]["method"] in ("O_DIRECT", "pread+fadvise(DONTNEED)")
     c = costs_of(prof)
     assert c.disk_bw > 0 and c.decomp_bw_per_worker > 0 and c.merge_bw > 0 and c.compute_s_per_expert > 0
-    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "cached"
+    assert get_profile(path, cid, "cpu", workers=1, quick=True, cache_dir=cache)[1] == "cached"
+    assert not _cache.exists()  # the library reads no ZIPMOE_CACHE_DIR
+    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"  # no cache_dir: no cache
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
+    assert get_profile(path, cid, "cpu", workers=1, quick=True, cache_dir=cache)[1] == "measured"
 
 
-def test_profile_measures_the_disk_at_the_runtimes_queue_depth(container, monkeypatch):
+def test_profile_measures_the_disk_at_the_runtimes_queue_depth(container, tmp_path):
     """disk.bw_readers: the expert extents read as serving reads them (reader threads sharing
     pieces); the model's channel takes the faster rate and the latency shared by the readers. A
     cached profile of another queue depth (or from before it was measured) is measured again."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.micro import measure_disk_readers
     from zipmoe.runtime.plan.profile import default_profile_path, get_profile, save_profile
-    from zipmoe.runtime.engine.loader import default_readers
-    from zipmoe.runtime.engine.reads import DEFAULT_READERS
+    from zipmoe.runtime.engine.settings import DEFAULT_READERS, EngineSettings
 
     path, cid = container
     with ContainerReader(path) as r:
         extents = [tuple(e.extent) for e in r.entries if e.role == "expert"]
     got = measure_disk_readers(path, extents, 3, seconds=0.05)
     assert got["readers"] == 3 and got["bytes"] > 0 and got["bw"] > 0
-    assert default_readers() == DEFAULT_READERS
-    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True)
+    assert EngineSettings().readers == DEFAULT_READERS
+    cache = {"cache_dir": tmp_path / "lib-cache"}
+    prof, src = get_profile(path, cid, "cpu", workers=1, quick=True, **cache)
     d, c = prof["disk"], prof["costs"]
     assert src == "measured" and d["readers"] == DEFAULT_READERS and d["bw_readers"] > 0
     assert c["disk_bw"] == max(d["bw"], d["bw_readers"]) and c["disk_latency"] == d["latency_s"] / DEFAULT_READERS
-    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "cached"
-    monkeypatch.setenv("ZIPMOE_READERS", "2")
-    assert get_profile(path, cid, "cpu", workers=1, quick=True)[0]["disk"]["readers"] == 2  # measured again
-    monkeypatch.delenv("ZIPMOE_READERS")
+    assert get_profile(path, cid, "cpu", workers=1, quick=True, **cache)[1] == "cached"
+    assert get_profile(path, cid, "cpu", workers=1, quick=True, readers=2, **cache)[0]["disk"]["readers"] == 2  # measured again
     del prof["disk"]["readers"]  # a profile cached before queue depth was measured
-    save_profile(prof, default_profile_path(cid))
-    assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"
+    save_profile(prof, default_profile_path(cid, **cache))
+    assert get_profile(path, cid, "cpu", workers=1, quick=True, **cache)[1] == "measured"
+
+
+def test_plan_reads_readers_and_the_cache_folder_from_the_environment(container, tmp_path, capsys, monkeypatch, _cache):
+    """`zipmoe plan` reads ZIPMOE_READERS (the queue depth the profile is measured at) and
+    ZIPMOE_CACHE_DIR (where cached profiles are) and passes them down: a cached profile of queue
+    depth 2 is reused under ZIPMOE_READERS=2. A wrong value is one line."""
+    from zipmoe.runtime.plan.profile import default_profile_path, save_profile
+
+    path, cid = container
+    prof = json.loads(_profile(path, cid, tmp_path).read_text())
+    prof["disk"]["readers"] = 2
+    prof["marker"] = "cached at queue depth 2"
+    save_profile(prof, default_profile_path(cid, "cpu", cache_dir=_cache))
+    monkeypatch.setenv("ZIPMOE_READERS", "2")
+    code, out, err = _run(["plan", path, "--profile-only", "--json", "--device", "cpu", "--workers", "1"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["marker"] == "cached at queue depth 2"
+    for var, value, needle in [("ZIPMOE_READERS", "x", "ZIPMOE_READERS='x': expected a whole number of at least 1"),
+                               ("ZIPMOE_PREFETCH", "yes", "ZIPMOE_PREFETCH='yes': expected 0 or 1")]:
+        monkeypatch.setenv(var, value)
+        code, _, err = _run(["plan", path, "--profile-only", "--json", "--device", "cpu"], capsys)
+        assert code == 2 and err.startswith("zipmoe: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+        monkeypatch.delenv(var)
 
 
 def test_profile_serving_passes_fetch_every_expert_then_hit_every_one_compressed(container):

@@ -117,6 +117,9 @@ def bench(
     paper: bool = typer.Option(False, "--paper", help="Also print the paper's tables (TTFT/TPOT, throughput by batch, latency by length, ablation) from the results."),
     paper_json: Optional[Path] = typer.Option(None, "--paper-json", help="Write the paper's tables as JSON here."),
     paper_plot: Optional[Path] = typer.Option(None, "--paper-plot", help="PNG of the paper's tables (needs matplotlib)."),
+    deepspeed_offload: Optional[str] = typer.Option(None, "--deepspeed-offload", metavar="auto|nvme|cpu", help="Where the deepspeed baseline offloads its parameters: nvme (fails with one line where DeepSpeed's async_io op cannot be built), cpu (outside the budget), auto (nvme where it can be built; the default). Default: $ZIPMOE_BENCH_DEEPSPEED_OFFLOAD."),
+    deepspeed_build_timeout: Optional[float] = typer.Option(None, "--deepspeed-build-timeout", metavar="SECONDS", help="Time limit for building DeepSpeed's async_io op (default: $ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT, else 1800)."),
+    deepspeed_load_in_budget: Optional[bool] = typer.Option(None, "--deepspeed-load-in-budget/--deepspeed-load-unbudgeted", help="Keep the deepspeed baseline's memory cgroup at the budget while it loads too (default: unbudgeted loading, the cgroup tightened once loaded; $ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET=1 sets it)."),
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
     from zipmoe.errors import UsageError
@@ -159,6 +162,16 @@ def bench(
         raise UsageError(f"--threads must not be negative, got {threads}")
     if engine_timeout < 0:
         raise UsageError(f"--engine-timeout must not be negative, got {engine_timeout:g}")
+    from zipmoe.runtime.bench.deepspeed_engine import check_offload
+    from zipmoe_cli.env import cache_dir, deepspeed_env, engine_env
+
+    zipmoe_env = engine_env()  # ZIPMOE_READERS / ZIPMOE_PREFETCH for the zipmoe engines (bench forces every load)
+    ds_env = deepspeed_env()
+    ds_offload = check_offload(deepspeed_offload) if deepspeed_offload is not None else ds_env["offload"]
+    if deepspeed_build_timeout is not None and not 0 < deepspeed_build_timeout < float("inf"):
+        raise UsageError(f"--deepspeed-build-timeout must be a number of seconds above 0, got {deepspeed_build_timeout:g}")
+    ds_timeout = deepspeed_build_timeout if deepspeed_build_timeout is not None else ds_env["build_timeout_s"]
+    ds_in_budget = deepspeed_load_in_budget if deepspeed_load_in_budget is not None else bool(ds_env["load_in_budget"])
     if (plot is not None or paper_plot is not None):
         try:
             import matplotlib  # noqa: F401
@@ -172,6 +185,8 @@ def bench(
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
         gguf=gguf, engine_timeout_s=engine_timeout or None,
+        readers=zipmoe_env.get("readers"), prefetch=zipmoe_env.get("prefetch"), deepspeed_offload=ds_offload,
+        deepspeed_build_timeout_s=ds_timeout, deepspeed_load_in_budget=ds_in_budget, cache_dir=cache_dir(),
     )
     from rich.console import Console
 

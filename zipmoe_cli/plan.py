@@ -55,10 +55,9 @@ def plan(
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
-    if force:
-        import os
+    from zipmoe_cli.env import cache_dir, load_options
 
-        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (engine/memlimit.py)
+    engine_options = load_options(force)  # ZIPMOE_READERS / _PREFETCH / _FORCE, and --force
     from rich.console import Console
 
     from zipmoe.codecs.reader import ContainerReader
@@ -99,7 +98,8 @@ def plan(
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
             if calibrate_tokens < 1:
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
-            traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype))
+            traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype,
+                                       load_options=engine_options))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
@@ -110,7 +110,11 @@ def plan(
 
     if not as_json:
         err.print("[dim]hardware profile: measuring or reusing (a few seconds the first time)...[/dim]")
-    prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure, dtype=layout.dtype)
+    measure_options = dict(engine_options)
+    readers = measure_options.pop("readers", None)
+    prof, source = get_profile(path, cid, dev, profile, workers=workers, remeasure=remeasure, dtype=layout.dtype,
+                               cache_dir=cache_dir(), load_options=measure_options,
+                               **({"readers": readers} if readers is not None else {}))
     where = str(profile) if profile is not None else "cache"
     if profile_only:
         if as_json:

@@ -63,6 +63,9 @@ def serve(
         raise UsageError(f"unknown --log-level {log_level!r} (use critical, error, warning, info, debug or trace)")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key (or ZIPMOE_API_KEY) is empty")
+    from zipmoe_cli.env import engine_env
+
+    engine_options = engine_env()  # ZIPMOE_READERS / _PREFETCH / _FORCE
     budget_bytes = parse_size(budget)
     body_bytes = parse_size(max_body)
     if body_bytes < 1024:
@@ -105,7 +108,7 @@ def serve(
                       dtype=dtype, warm=warm, model_name=model_name or file.stem, api_key=api_key,
                       max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens,
                       default_max_tokens=default_max_tokens, max_body=body_bytes, shutdown_timeout=shutdown_timeout,
-                      context=context)
+                      context=context, load_options=engine_options)
     server_box: dict = {}
 
     def on_fatal(exc) -> None:

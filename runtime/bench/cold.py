@@ -129,11 +129,12 @@ def disk_bandwidth(path, max_bytes: int = 1 << 30, block: int = 8 << 20) -> dict
     return {"bytes_per_s": done / seconds if seconds > 0 else None, "bytes": done, "seconds": seconds, "o_direct": direct, "file": str(path)}
 
 
-def profile_bandwidth(container, container_id: str, device: str = "cpu", profile_path=None, plan_path=None) -> dict | None:
+def profile_bandwidth(container, container_id: str, device: str = "cpu", profile_path=None, plan_path=None,
+                      cache_dir=None) -> dict | None:
     """Disk bandwidth measured by `zipmoe plan` (runtime/plan/profile.py), when there is one.
 
     In this order: ``--profile FILE`` (checked against this machine and file), the profile a
-    plan.json carries, the per-machine profile cache. Returns ``{"bytes_per_s", "source"}`` or
+    plan.json carries, the per-machine profile cache in ``cache_dir`` (None: not looked at). Returns ``{"bytes_per_s", "source"}`` or
     None (nothing is measured here: :func:`disk_bandwidth` is the fallback).
     """
     try:
@@ -149,7 +150,9 @@ def profile_bandwidth(container, container_id: str, device: str = "cpu", profile
             return doc.get("profile") if isinstance(doc.get("profile"), dict) else None
         candidates.append(("the plan's profile", from_plan))
     try:
-        cached = prof.default_profile_path(container_id, device)
+        if cache_dir is None:
+            raise LookupError("no profile cache")
+        cached = prof.default_profile_path(container_id, device, cache_dir=cache_dir)
         candidates.append((f"cached profile {cached}", lambda: prof.load_profile(cached) if Path(cached).exists() else None))
     except Exception:
         pass

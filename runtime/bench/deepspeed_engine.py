@@ -22,11 +22,17 @@ Where the parameters go (``zero_optimization.offload_param``):
   host memory while it partitions them into the swap folder, and the demo model at 400M and
   800M was killed by the memory cgroup while loading. The worker therefore tightens this
   engine's cgroup to budget + baseline + margin once the model is loaded (``load_note`` in the
-  result; ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET=1`` keeps the budget during loading too).
-- ``cpu`` when the async-I/O op cannot be built here (or ``ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=cpu``;
-  ``=nvme`` insists on NVMe and fails with one line where it cannot be built): every parameter stays in host memory,
+  result; ``deepspeed_load_in_budget`` in the worker spec, ``zipmoe bench --deepspeed-load-in-budget``,
+  keeps the budget during loading too).
+- ``cpu`` when the async-I/O op cannot be built here (or ``deepspeed_offload="cpu"`` in the spec,
+  ``--deepspeed-offload cpu``; ``nvme`` insists on NVMe and fails with one line where it cannot be
+  built): every parameter stays in host memory,
   which **breaks the budget**. The engine still runs, outside the budget (its memory cgroup is
   lifted to what the machine has, its peak is recorded) and the report marks it.
+
+No zipmoe environment variable is read here: the worker spec carries the choices (from
+:class:`~zipmoe.runtime.bench.run.BenchConfig`, which ``zipmoe bench`` fills from its options and
+the ``ZIPMOE_BENCH_DEEPSPEED_*`` variables).
 """
 
 from __future__ import annotations
@@ -104,10 +110,23 @@ OP_DIRS = ("async_io", "pin_memory")  # their build folders (the builders' names
 BUILD_TIMEOUT_S = 1800.0
 
 
-def build_ops(device: str) -> list[str]:
+OFFLOADS = ("nvme", "cpu")
+
+
+def check_offload(value, what: str = "--deepspeed-offload") -> str | None:
+    """Where the parameters go as asked: ``"nvme"``, ``"cpu"``, or None (``"auto"``, unset: NVMe
+    where the async-I/O op can be built, else cpu); anything else is one :class:`UsageError` line."""
+    if value is None or value == "" or value == "auto":
+        return None
+    if value not in OFFLOADS:
+        raise UsageError(f"{what} {value!r}: use nvme or cpu (or leave it unset)")
+    return value
+
+
+def build_ops(device: str, offload: str | None = None) -> list[str]:
     """Build (or find built) the ops the NVMe offload loads; the names built. Nothing when the
-    async-I/O op cannot be built here (the worker then says why) or the offload is forced to cpu."""
-    if os.environ.get("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "") == "cpu":
+    async-I/O op cannot be built here (the worker then says why) or ``offload`` is ``"cpu"``."""
+    if check_offload(offload) == "cpu":
         return []
     import_deepspeed(device)
     if not aio_available()[0]:
@@ -126,11 +145,12 @@ def build_ops(device: str) -> list[str]:
     return built
 
 
-def prepare(device: str, log, timeout_s: float | None = None) -> None:
+def prepare(device: str, log, timeout_s: float | None = None, offload: str | None = None) -> None:
     """Build DeepSpeed's NVMe ops in a process of its own (outside the memory cgroups), once per
     machine (torch caches them under ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions).
-    A build that fails or outlives ``timeout_s`` is one line; a build cut off by the time limit is
-    killed with its compilers and its lock files are removed, so that no later load waits on them."""
+    A build that fails or outlives ``timeout_s`` (default :data:`BUILD_TIMEOUT_S`) is one line; a
+    build cut off by the time limit is killed with its compilers and its lock files are removed,
+    so that no later load waits on them. Nothing to build when ``offload`` is ``"cpu"``."""
     import importlib.util
     import subprocess
     import sys
@@ -139,9 +159,12 @@ def prepare(device: str, log, timeout_s: float | None = None) -> None:
 
     if importlib.util.find_spec("deepspeed") is None:
         return  # the worker says which extra is missing
-    timeout_s = timeout_s or float(os.environ.get("ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT", BUILD_TIMEOUT_S))
+    if check_offload(offload) == "cpu":
+        return
+    timeout_s = timeout_s or BUILD_TIMEOUT_S
     log("deepspeed: building its async-I/O ops (once per machine, cached by torch's extension builder)")
-    proc = subprocess.Popen([sys.executable, "-m", __name__, device], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", __name__, device] + ([offload] if offload else []),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -149,7 +172,8 @@ def prepare(device: str, log, timeout_s: float | None = None) -> None:
         proc.communicate()
         removed = _remove_build_locks()
         raise UsageError(f"baseline 'deepspeed': building its async_io op did not finish in {timeout_s:.0f} s"
-                         f"{' (its lock files removed)' if removed else ''}; ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT sets the limit") from None
+                         f"{' (its lock files removed)' if removed else ''}; --deepspeed-build-timeout "
+                         f"(ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT) sets the limit") from None
     if proc.returncode != 0:
         tail = [x for x in (err or "").strip().splitlines() if x.strip()]
         raise UsageError(f"baseline 'deepspeed': building its async_io op failed: {tail[-1] if tail else f'exit {proc.returncode}'}")
@@ -176,16 +200,15 @@ def _remove_build_locks() -> list[str]:
 
 def before_load(spec: dict) -> dict:
     """In the worker, before its cgroup is tightened: import deepspeed (its memory is part of the
-    process's own baseline, like torch's) and decide where the parameters go."""
+    process's own baseline, like torch's) and decide where the parameters go: ``spec["deepspeed_offload"]``
+    (``"nvme"``, ``"cpu"``, None: NVMe where it can be built), ``spec["deepspeed_load_in_budget"]``."""
+    forced = check_offload(spec.get("deepspeed_offload"))
     deepspeed = import_deepspeed(spec["device"])
-    forced = os.environ.get("ZIPMOE_BENCH_DEEPSPEED_OFFLOAD", "")
-    if forced not in ("", "nvme", "cpu"):
-        raise UsageError(f"ZIPMOE_BENCH_DEEPSPEED_OFFLOAD={forced!r}: use nvme or cpu (or leave it unset)")
-    ok, why = aio_available() if forced != "cpu" else (False, "asked for with ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=cpu")
+    ok, why = aio_available() if forced != "cpu" else (False, "asked for with --deepspeed-offload cpu")
     if forced == "nvme" and not ok:
-        raise UsageError(f"ZIPMOE_BENCH_DEEPSPEED_OFFLOAD=nvme but DeepSpeed's async_io op cannot be built here: {why}")
+        raise UsageError(f"--deepspeed-offload nvme, but DeepSpeed's async_io op cannot be built here: {why}")
     info = {"deepspeed": deepspeed.__version__, "offload_param": "nvme" if ok else "cpu", "ds_env": single_process_env(spec["device"])}
-    if ok and os.environ.get("ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET", "") != "1":
+    if ok and not spec.get("deepspeed_load_in_budget"):
         info["cgroup_after_load"] = LOAD_NOTE
     if not ok:
         info["budget_broken"] = BUDGET_BROKEN.format(why=why)
@@ -313,7 +336,8 @@ def _checkpoint_dtype(source, torch):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
 
 
-if __name__ == "__main__":  # bench's op build (prepare): python -m zipmoe.runtime.bench.deepspeed_engine DEVICE
+if __name__ == "__main__":  # bench's op build (prepare): python -m zipmoe.runtime.bench.deepspeed_engine DEVICE [OFFLOAD]
     import sys
 
-    print(" ".join(build_ops(sys.argv[1] if len(sys.argv) > 1 else "cpu")) or "nothing to build")
+    print(" ".join(build_ops(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else None))
+          or "nothing to build")

@@ -214,6 +214,10 @@ def load_engine(spec: dict):
             # the engine runs in bench's own cgroup, whose limit bench sizes (budget + what the
             # process needs + a margin) and whose OOM kills it reports: not a user's limit to refuse
             kwargs["force"] = True
+        if spec.get("readers"):  # what `zipmoe bench` read from ZIPMOE_READERS / ZIPMOE_PREFETCH
+            kwargs["readers"] = int(spec["readers"])
+        if spec.get("prefetch") is not None:
+            kwargs["prefetch"] = bool(spec["prefetch"])
         if name == "zipmoe-noprefetch":
             kwargs["prefetch"] = False
         if spec.get("trace") and name == "zipmoe":

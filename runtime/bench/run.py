@@ -73,6 +73,15 @@ class BenchConfig:
     seed: int = 0
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
     engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
+    # the zipmoe engines' zipmoe.load overrides (None: the engine's default; zipmoe-noprefetch turns prefetch off anyway)
+    readers: int | None = None
+    prefetch: bool | None = None
+    # the deepspeed engine: "nvme", "cpu" or None (NVMe where its async-I/O op can be built, else cpu),
+    # the op build's time limit (None: deepspeed_engine.BUILD_TIMEOUT_S), the budget during loading too
+    deepspeed_offload: str | None = None
+    deepspeed_build_timeout_s: float | None = None
+    deepspeed_load_in_budget: bool = False
+    cache_dir: Path | None = None  # zipmoe's cache folder: `zipmoe plan`'s cached profiles (the I/O floor's bandwidth)
 
     @property
     def allow_drop_caches(self) -> bool:
@@ -343,6 +352,8 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     doc.setdefault("configs", []).append({
         "engines": cfg.engines, "budgets": cfg.budgets, "batches": cfg.batches, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
         "cold": cfg.cold, "plan": str(cfg.plan) if cfg.plan else None, "time_limit_s": cfg.time_limit_s, "threads": cfg.threads,
+        **{k: v for k, v in (("readers", cfg.readers), ("prefetch", cfg.prefetch), ("deepspeed_offload", cfg.deepspeed_offload),
+                             ("deepspeed_load_in_budget", cfg.deepspeed_load_in_budget or None)) if v is not None},
     })
 
     # engines that cannot run at all: say why, keep going with the others
@@ -396,7 +407,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         from zipmoe.runtime.bench import deepspeed_engine
 
         try:
-            deepspeed_engine.prepare(device, log)
+            deepspeed_engine.prepare(device, log, cfg.deepspeed_build_timeout_s, cfg.deepspeed_offload)
         except ZipmoeError as exc:
             msg = str(exc).splitlines()[0]
             errors.append(msg)
@@ -413,7 +424,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     if cfg.disk_bw:
         bw = {"bytes_per_s": float(cfg.disk_bw), "source": "--disk-bw"}
     else:
-        bw = cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan)
+        bw = cold.profile_bandwidth(cfg.container, cid, device, cfg.profile, cfg.plan, cache_dir=cfg.cache_dir)
         if bw is None:
             cold.make_cold([cfg.container], cfg.allow_drop_caches)
             m = cold.disk_bandwidth(cfg.container)
@@ -465,6 +476,8 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
                 "context": cfg.context or run_context(cases),
+                "readers": cfg.readers, "prefetch": cfg.prefetch,
+                "deepspeed_offload": cfg.deepspeed_offload, "deepspeed_load_in_budget": cfg.deepspeed_load_in_budget,
             }
             from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget
 

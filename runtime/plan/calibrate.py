@@ -65,16 +65,17 @@ def load_kwargs(dtype: str) -> dict:
 
 
 def record_trace(path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
-                 dtype: str = "bfloat16") -> Path:
-    """Serve ``prompts`` greedily through the runtime with a trace on; returns the trace path."""
+                 dtype: str = "bfloat16", load_options: dict | None = None) -> Path:
+    """Serve ``prompts`` greedily through the runtime with a trace on; returns the trace path.
+    ``load_options``: more keyword arguments of ``load`` (``readers``, ``prefetch``, ``force``)."""
     import torch
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.engine.loader import load
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
 
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
-                      **load_kwargs(dtype))
+                      **load_kwargs(dtype), **(load_options or {}))
     if tok is None:
         raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
     fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
@@ -85,8 +86,8 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
         with torch.inference_mode():
             for prompt in prompts:
                 ids = encode(tok, prompt).to(model.device)
-                loop_generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+                generate_ids(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     finally:
         rt.stop_trace()
     _write_prediction(Path(trace), rt)

@@ -10,21 +10,19 @@ only).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 __all__ = ["measure_runtime", "miss_pass", "compressed_pass"]
 
 
 def _mem_available() -> int:
+    """Memory available to a new process (psutil: MemAvailable on Linux)."""
+    import psutil
+
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 4 << 30
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):
+        return 4 << 30
 
 
 def miss_pass(model, rt, prompt, tokens: int) -> dict:
@@ -34,13 +32,13 @@ def miss_pass(model, rt, prompt, tokens: int) -> dict:
     import torch
 
     from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
 
     # between two forward steps, forget every cached expert
     clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
     with torch.inference_mode():
-        loop_generate(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                       max_new_tokens=tokens + 1, streamer=clock)
+        generate_ids(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+                      max_new_tokens=tokens + 1, streamer=clock)
     d = clock.delta()
     reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
     steps = clock.steps()
@@ -73,47 +71,47 @@ def compressed_pass(model, rt, prompt, tokens: int) -> dict:
 
     from zipmoe.runtime.engine.cache import ExpertCache
     from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
 
-    old = rt.cache
-    rt.cache = ExpertCache({"compressed": old.capacity_bytes()}, demote=None)
+    old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
     try:
         kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
                   max_new_tokens=tokens + 1)
         with torch.inference_mode():
-            loop_generate(model, prompt, **kw)
+            generate_ids(model, prompt, **kw)
             clock = DecodeClock(rt.counters)
-            loop_generate(model, prompt, streamer=clock, **kw)
+            generate_ids(model, prompt, streamer=clock, **kw)
     finally:
-        rt.cache = old
+        rt.swap_cache(old)
     d = clock.delta()
     fetched = sum(v for k, v in d["hits"].items() if k != "full")
     return {"steps": tokens, **_layer_figures(d), "compressed_share": d["hits"].get("compressed", 0) / max(1, fetched)}
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
-                    miss_tokens: int = 6) -> dict:
+                    miss_tokens: int = 6, load_options: dict | None = None) -> dict:
     """Serve a few greedy tokens through the runtime and read its counters.
 
     Gives what a micro-benchmark cannot: the expert compute as the runtime's hook does it
     (``compute_s_per_expert``: counters' compute time per expert call) and everything that is
     not a sparse layer (``dense_s_per_token``: time per decode step minus the sparse layers'
     makespans: attention, norms, router, the Python around them). The budget holds every expert
-    when that fits in a quarter of the free memory, else as much as does.
+    when that fits in a quarter of the free memory, else as much as does. ``load_options``: more
+    keyword arguments of ``load`` (``readers``, ``prefetch``, ``force``).
     """
     import torch
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.plan.calibrate import load_kwargs
     from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
     from zipmoe.runtime.engine.loader import load
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
     budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
     old = torch.get_num_threads()
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
-                      **load_kwargs(layout.dtype))
+                      **load_kwargs(layout.dtype), **(load_options or {}))
     try:
         rt = model.zipmoe
         prompt = torch.arange(1, 9, dtype=torch.long).unsqueeze(0)
@@ -122,14 +120,14 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         prompt = prompt.to(model.device)
         with torch.inference_mode():
             kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=warmup, max_new_tokens=warmup)
-            loop_generate(model, prompt, **kw)
+            generate_ids(model, prompt, **kw)
             # two timed passes, the one with the shorter median step kept: the dense time is
             # mostly the host launching kernels, which anything else on the machine slows
             best = None
             for _ in range(2):
                 clock = DecodeClock(rt.counters)
-                loop_generate(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                               max_new_tokens=tokens + 1, streamer=clock)
+                generate_ids(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
+                              max_new_tokens=tokens + 1, streamer=clock)
                 steps = clock.steps()
                 if steps and (best is None or np.median(steps) < np.median(best[0])):
                     best = (steps, clock.delta())
@@ -169,7 +167,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         return out
     finally:
         try:
-            model.zipmoe.scheduler.close()
+            model.zipmoe.fetcher.close()
         except Exception:  # noqa: BLE001
             pass
         torch.set_num_threads(old)

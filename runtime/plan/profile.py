@@ -15,7 +15,7 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   measures memory, which is then what the disk is). Small (4 KiB) and expert-sized reads at
   random aligned offsets are fitted by least squares to ``t = latency + bytes / bw``
   (``disk.latency_s``, ``disk.bw``: queue depth 1). Then **at the runtime's queue depth**
-  (``disk.readers`` threads, :func:`~zipmoe.runtime.engine.loader.default_readers`, sharing
+  (``disk.readers`` threads: the ``readers`` the runtime will serve with, ``EngineSettings.readers``, sharing
   1 MiB pieces as serving reads them; ``disk.bw_readers``): the schedule model's one I/O
   channel stands for those readers together, so ``costs.disk_bw`` is the larger of the two
   rates and ``costs.disk_latency`` the queue-depth-1 latency divided by ``readers`` (that many
@@ -59,7 +59,8 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
 
 Storage: JSON, ``{"format": "zipmoe-profile/1", "machine": {...}, "container": {...},
 "costs": {Costs fields}, "disk": {...}, "decomp": {...}, "merge": {...}, "compute": {...}}``.
-By default in ``$ZIPMOE_CACHE_DIR`` or ``$XDG_CACHE_HOME/zipmoe`` or ``~/.cache/zipmoe``, under
+Cached in the folder :func:`get_profile` is given (``cache_dir``; the command line passes
+``$ZIPMOE_CACHE_DIR`` or ``$XDG_CACHE_HOME/zipmoe`` or ``~/.cache/zipmoe``: zipmoe_cli/env.py), under
 ``profiles/<machine key>-<container id>.json``, where the machine key hashes the hostname, the
 CPU model, the core count and the device. It is reused until the machine or the file changes
 (container id, size or mtime): a cached profile that no longer matches is measured again; a
@@ -80,6 +81,7 @@ from pathlib import Path
 from zipmoe.errors import UsageError
 from zipmoe.machine import cores, cpu_model, decode_workers, torch_threads
 from zipmoe.runtime.plan.fits import serving_overheads
+from zipmoe.runtime.engine.settings import DEFAULT_READERS
 from zipmoe.runtime.plan.micro import measure_compute, measure_decomp, measure_disk, measure_disk_readers, measure_merge
 from zipmoe.runtime.plan.passes import measure_runtime
 from zipmoe.runtime.plan.simulate import Costs
@@ -111,21 +113,18 @@ def container_info(path, container_id: str) -> dict:
     return {"container_id": container_id, "path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def cache_dir() -> Path:
-    if os.environ.get("ZIPMOE_CACHE_DIR"):
-        return Path(os.environ["ZIPMOE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "zipmoe"
-
-
-def default_profile_path(container_id: str, device: str = "cpu", dtype: str = "bfloat16") -> Path:
+def default_profile_path(container_id: str, device: str = "cpu", dtype: str = "bfloat16", *, cache_dir) -> Path:
+    """Where the profile cache in ``cache_dir`` keeps this machine's profile of a container."""
     suffix = "" if dtype in ("bfloat16", "bf16") else f"-{dtype}"
-    return cache_dir() / "profiles" / f"{machine_key(machine_info(device))}-{container_id}{suffix}.json"
+    return Path(cache_dir) / "profiles" / f"{machine_key(machine_info(device))}-{container_id}{suffix}.json"
 
 
 # ---------------------------------------------------------------------------------- profile
-def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False, dtype: str = "bfloat16") -> dict:
-    """Measure everything for ``path`` on ``device``; returns the profile dict (not saved)."""
+def measure(path, device: str = "cpu", workers: int | None = None, quick: bool = False, dtype: str = "bfloat16",
+            readers: int = DEFAULT_READERS, load_options: dict | None = None) -> dict:
+    """Measure everything for ``path`` on ``device``; returns the profile dict (not saved).
+    ``load_options``: more keyword arguments of ``runtime.engine.loader.load`` for the serving
+    passes (``prefetch``, ``force``: what the command line was given); they load with ``readers``."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import container_layout, expert_tensors
 
@@ -140,11 +139,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         experts = [e for e in reader.entries if e.role == "expert" and e.dtype == "BF16"]
         tensors = [t for ts in expert_tensors(reader).values() for t in ts]
         sample = random.Random(1).sample(tensors, min(len(tensors), 24))
-        from zipmoe.runtime.engine.loader import default_readers
-
         extents = [tuple(e.extent) for e in experts]
         disk = measure_disk(path, extents, seconds=1.0 * scale)
-        readers = default_readers()
         qd = measure_disk_readers(path, extents, readers, seconds=1.0 * scale)
         disk.update(readers=readers, bw_readers=qd["bw"], readers_method=qd["method"])
         decomp = measure_decomp(reader, sample, seconds=0.5 * scale)
@@ -164,7 +160,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             "merge": merge,
             "compute": compute,
         }
-    # where the runtime merges: on the CPU device the decode workers do it (runtime.engine.scheduler);
+    # where the runtime merges: on the CPU device the decode workers do it (runtime.engine.decoder);
     # on CUDA the device does, with the Triton kernel
     on_workers = not device.startswith("cuda") or merge["kernel"] != "triton"
     prof["merge"]["where"] = "workers" if on_workers else "device"
@@ -172,7 +168,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
     dense_s = layer_overhead = None
     if not quick:
         try:
-            rt = measure_runtime(path, layout, device, workers)
+            rt = measure_runtime(path, layout, device, workers, load_options={**(load_options or {}), "readers": readers})
             prof["runtime"] = rt
             compute_s = rt["compute_s_per_expert"]
             dense_s = rt["dense_s_per_token"]
@@ -255,11 +251,15 @@ def check_profile(profile: dict, container_path, container_id: str, device: str,
 
 def get_profile(container_path, container_id: str, device: str = "cpu", profile_path=None,
                 workers: int | None = None, remeasure: bool = False, quick: bool = False,
-                dtype: str = "bfloat16") -> tuple[dict, str]:
+                dtype: str = "bfloat16", readers: int = DEFAULT_READERS, cache_dir=None,
+                load_options: dict | None = None) -> tuple[dict, str]:
     """The profile to plan with, and where it came from (``"measured"``, ``"cached"``, ``"file"``).
+    ``readers``: the reader threads serving will use (the disk is measured at that queue depth;
+    a cached profile of another one is measured again). ``load_options``: as :func:`measure`.
 
     ``profile_path`` given and existing: loaded and checked (stale -> UsageError). Given and
-    missing: measured and written there. Not given: the per-machine cache, re-measured when stale.
+    missing: measured and written there. Not given: the per-machine cache in ``cache_dir``,
+    re-measured when stale (``cache_dir`` None: no cache, measured every time).
     """
     if profile_path is not None:
         p = Path(profile_path)
@@ -269,21 +269,24 @@ def get_profile(container_path, container_id: str, device: str = "cpu", profile_
             if why:
                 raise UsageError(f"profile {p} is stale: {why}; measure again with `zipmoe plan FILE --profile-only --profile {p}` after deleting it")
             return prof, "file"
-        prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
+        prof = measure(container_path, device, workers, quick=quick, dtype=dtype, readers=readers,
+                       load_options=load_options)
         save_profile(prof, p)
         return prof, "measured"
-    from zipmoe.runtime.engine.loader import default_readers
+    if cache_dir is None:
+        return measure(container_path, device, workers, quick=quick, dtype=dtype, readers=readers,
+                       load_options=load_options), "measured"
 
-    p = default_profile_path(container_id, device, dtype)
+    p = default_profile_path(container_id, device, dtype, cache_dir=cache_dir)
     if p.exists() and not remeasure:
         try:
             prof = load_profile(p)
         except UsageError:
             prof = None
         if (prof is not None and check_profile(prof, container_path, container_id, device, dtype) is None
-                and prof.get("disk", {}).get("readers") == default_readers()):  # measured at today's queue depth
+                and prof.get("disk", {}).get("readers") == readers):  # measured at today's queue depth
             return prof, "cached"
-    prof = measure(container_path, device, workers, quick=quick, dtype=dtype)
+    prof = measure(container_path, device, workers, quick=quick, dtype=dtype, readers=readers, load_options=load_options)
     try:
         save_profile(prof, p)
     except OSError:
