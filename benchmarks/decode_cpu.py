@@ -100,7 +100,7 @@ def resident(args) -> dict:
 def chat(args) -> dict:
     import torch
 
-    from zipmoe.runtime.engine.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.engine.turn import _turn_on_generate, chat_inputs, chat_turn
     from zipmoe.runtime.engine.loop import DecodeLoop
 
     out = {}
@@ -114,8 +114,10 @@ def chat(args) -> dict:
                 history.append({"role": "user", "content": text})
                 inputs = chat_inputs(tok, history, rt.device)
                 with torch.inference_mode():
-                    res = generate_turn(model, tok, inputs, max_new_tokens=args.tokens, greedy=True, loop=loop,
-                                        reuse=loop is not None, engine=engine)
+                    if loop is None:  # before: model.generate on the whole conversation (the encoder-decoder path)
+                        res = _turn_on_generate(model, tok, inputs, max_new_tokens=args.tokens, greedy=True)
+                    else:
+                        res = chat_turn(model, tok, inputs, max_new_tokens=args.tokens, greedy=True, loop=loop, reuse=True)
                 history.append({"role": "assistant", "content": res.text})
                 s = res.stats
                 turns.append({k: s.get(k) for k in ("ttft_s", "tpot_s", "prompt_tokens", "prefill_tokens",

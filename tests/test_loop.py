@@ -20,7 +20,8 @@ import zipmoe
 from zipmoe.errors import UsageError
 from zipmoe.runtime.engine.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
 from zipmoe.runtime.engine.loader import requirements
-from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop, kv_cache_bytes
+from zipmoe.runtime.engine.kvsize import static_cache_bytes
+from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop
 
 from test_runtime_fixtures import FAMILIES, container, inputs, reference
 
@@ -77,7 +78,8 @@ def test_loop_logits_equal_transformers_static_cache(tmp_path_factory, refs, fam
         try:
             for b, batch in batches.items():
                 loop = DecodeLoop(model, context=CONTEXT, batch=b)
-                assert loop.kv_bytes == kv_cache_bytes(model.config, batch=b, context=CONTEXT, dtype=model.dtype) > 0
+                assert loop.kv_bytes == static_cache_bytes(model.config, batch=b, context=CONTEXT,
+                                                           itemsize=model.dtype.itemsize) > 0
                 for attempt in range(2):  # the cache is reused: a second request gives the same bits
                     res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=STEPS,
                                         do_sample=False, keep_logits=True, generation_kwargs={"pad_token_id": 0})
@@ -241,9 +243,41 @@ def test_encoder_decoder_is_refused_with_one_line(tmp_path_factory):
         model.zipmoe.close()
 
 
+def test_the_loop_keeps_no_autograd_graph(tmp_path_factory):
+    """Called with autograd on (as the server's model thread calls it), the loop's entry points
+    run under inference_mode themselves: the logits of prefill, step and generate carry no graph,
+    and a loop made under inference_mode (the planner's passes) still resets and prefills
+    outside it."""
+    src, path = container(tmp_path_factory, "mixtral")
+    ref = reference(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    ids = torch.arange(5, 15)[None]
+    try:
+        assert torch.is_grad_enabled()
+        loop = DecodeLoop(model, context=CONTEXT)
+        got = [loop.prefill(ids)]
+        for _ in range(3):
+            got.append(loop.step(got[-1].argmax(-1)))
+        res = loop.generate(ids, max_new_tokens=4, do_sample=False, keep_logits=True,
+                            generation_kwargs={"pad_token_id": 0})
+        for logits in got + res.logits:
+            assert logits.grad_fn is None and not logits.requires_grad
+        assert all(torch.equal(a, b) for a, b in zip(got, res.logits))  # prefill and step: generate's bits
+        _check(res, _ref_generate(ref, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 4), 10, "grad on")
+        with torch.inference_mode():
+            made_inside = DecodeLoop(model, context=CONTEXT)
+            made_inside.prefill(ids)
+        made_inside.reset()
+        assert torch.equal(made_inside.prefill(ids), got[0])
+    finally:
+        model.zipmoe.close()
+
+
 @pytest.mark.parametrize("family", DECODERS)
 def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, family):
     from zipmoe.runtime.engine.kvsize import kv_cache_bytes_upper
+    from zipmoe.runtime.engine.memlimit import kv_cache_bytes
 
     src, path = container(tmp_path_factory, family)
     cfg = json.loads((src / "config.json").read_text())
@@ -256,18 +290,21 @@ def test_kv_size_from_config_bounds_what_the_loop_allocates(tmp_path_factory, fa
             assert loop.kv_bytes == loop._allocated_bytes() and 0 < loop.kv_bytes <= est
             if not cfg.get("sliding_window"):
                 assert loop.kv_bytes == est
+                # the load-time memory check sizes the cache with the same arithmetic
+                assert kv_cache_bytes(cfg, 2, tokens=40) * b == loop.kv_bytes
     finally:
         model.zipmoe.close()
 
 
-def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
-    """The planner's served passes call loop_generate as they called model.generate: same
-    sequences as transformers with a static cache, the streamer fed the prompt then each token."""
+def test_generate_ids_is_generate_on_the_loop(tmp_path_factory):
+    """The planner's served passes call generate_ids as they called model.generate: same
+    sequences as transformers with a static cache, the streamer fed the prompt then each token;
+    the loop is kept on the runtime (``model.zipmoe.loops``), not on the model."""
     src, path = container(tmp_path_factory, "qwen2_moe")
     ref = reference(src)
     req = requirements(path, workers=1)
     model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
-    from zipmoe.runtime.engine.loop import loop_generate
+    from zipmoe.runtime.engine.loop import generate_ids
 
     class Stream:
         def __init__(self):
@@ -282,14 +319,15 @@ def test_loop_generate_is_generate_on_the_loop(tmp_path_factory):
     batch = inputs(_vocab(src), False, batch=4, seed=5)
     try:
         s = Stream()
-        got = loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=4, min_new_tokens=4,
-                            streamer=s, pad_token_id=0)
-        want = _ref_generate(ref, batch, 4, context=model._zipmoe_loops[4].context, min_new_tokens=4)
+        got = generate_ids(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=4, min_new_tokens=4,
+                           streamer=s, pad_token_id=0)
+        want = _ref_generate(ref, batch, 4, context=model.zipmoe.loops[4].context, min_new_tokens=4)
         assert torch.equal(got, want.sequences)
         assert s.puts[0] == batch["input_ids"].tolist() and len(s.puts) == 5 and s.ended
-        first = model._zipmoe_loops[4]
-        loop_generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=2, pad_token_id=0)
-        assert model._zipmoe_loops[4] is first  # the cache is reused
+        first = model.zipmoe.loops[4]
+        generate_ids(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=2, pad_token_id=0)
+        assert model.zipmoe.loops[4] is first  # the cache is reused
+        assert "_zipmoe_loops" not in model.__dict__
     finally:
         model.zipmoe.close()
 
@@ -324,10 +362,12 @@ def test_graphed_steps_equal_the_reference(tmp_path_factory, family, batch):
 
 
 def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
-    """The contract with graphs.GraphedStep, with a stand-in that runs the eager forward the way
-    the graphs capture it (no position ids, a [batch, context] mask, [batch, 1, vocab] logits): every unpadded step goes
-    through it with the cache position of the new token, a padded batch's steps do not, and
-    the logits stay those of the reference."""
+    """The contract with graphs.GraphedStep, with a stand-in that runs what the graphs capture
+    (engine/step.py's forward): every step goes through it, padded or not, with the [batch, 1]
+    position ids of the new token and the mask in its static [batch, context] form, and the
+    logits stay those of the reference."""
+    from zipmoe.runtime.engine.step import forward as step_forward
+
     src, path = container(tmp_path_factory, "olmoe")
     ref = reference(src)
     req = requirements(path, workers=1)
@@ -337,14 +377,14 @@ def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
         def __init__(self, loop):
             self.loop, self.calls = loop, 0
 
-        def __call__(self, input_ids, cache_position, attention_mask=None):
-            assert attention_mask is None and input_ids.shape == (self.loop.batch, 1)
-            assert int(cache_position.reshape(-1)[-1]) == self.loop.length
+        def __call__(self, input_ids, position_ids, attention_mask):
+            b = self.loop.batch
+            assert input_ids.shape == (b, 1) and position_ids.shape == (b, 1)
+            assert attention_mask.shape == (b, self.loop.cache.layers[0].max_cache_len)
+            assert bool((attention_mask.sum(-1) == torch.tensor([len(t) + 1 for t in self.loop.tokens])).all()) or \
+                int(attention_mask.sum(-1).max()) <= self.loop.length + 1
             self.calls += 1
-            # as graphs.GraphedStep runs it: the [batch, context] mask of the positions so far
-            ctx = self.loop.cache.layers[0].max_cache_len
-            row = (torch.arange(ctx) <= int(cache_position.reshape(-1)[-1])).long()[None].expand(self.loop.batch, -1)
-            return model(input_ids=input_ids, attention_mask=row, use_cache=True, **{cache_kw(model): self.loop.cache}).logits
+            return step_forward(model, self.loop.cache, input_ids, position_ids, attention_mask)
 
     try:
         for b, padded in ((1, False), (4, False), (4, True)):
@@ -357,6 +397,6 @@ def test_the_graphed_step_hook_on_the_cpu(tmp_path_factory):
             res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=5, do_sample=False,
                                 keep_logits=True, generation_kwargs={"pad_token_id": 0})
             _check(res, want, batch["input_ids"].shape[1], f"batch {b} padded={padded}")
-            assert loop.graphed.calls == (0 if padded else 4)
+            assert loop.graphed.calls == 4
     finally:
         model.zipmoe.close()

@@ -218,7 +218,7 @@ def test_trace_records_every_step(tmp_path_factory, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_runtime_consistent(tmp_path_factory):
-    from zipmoe.runtime.engine.generate import generate_turn
+    from zipmoe.runtime.engine.turn import chat_turn
 
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=1)
@@ -232,13 +232,31 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_runtime_consistent(tmp_path_facto
         if len(seen) == 2:
             raise KeyboardInterrupt
 
-    res = generate_turn(model, None, batch, max_new_tokens=8, greedy=True, on_text=on_text)
+    res = chat_turn(model, None, batch, max_new_tokens=8, greedy=True, on_text=on_text)
     assert res.interrupted and len(res.token_ids) == 2
     assert rt._inflight == 0 and not rt.cache.pinned
     ref = reference(src)
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     rt.close()
+
+
+def test_an_encoder_decoder_turn_is_model_generate(tmp_path_factory):
+    """chat_turn on an encoder-decoder model (no decode loop: model.generate, under
+    inference_mode) answers transformers' greedy tokens."""
+    from zipmoe.runtime.engine.turn import chat_turn
+
+    src, path = container(tmp_path_factory, "switch_transformers")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=1)
+    try:
+        res = chat_turn(model, None, batch, max_new_tokens=5, greedy=True)
+        with torch.no_grad():
+            want = reference(src).generate(**batch, max_new_tokens=5, do_sample=False)[0, 1:].tolist()
+        assert res.token_ids == want and res.stats["new_tokens"] == len(want) >= 1
+    finally:
+        model.zipmoe.close()
 
 
 @pytest.mark.parametrize("device_merge", [True, False])
@@ -249,8 +267,9 @@ def test_device_paths_forced_on_the_cpu(tmp_path_factory, device_merge):
     req = requirements(path, workers=2)
     model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2)
     rt = model.zipmoe
-    rt.scheduler.cuda = True
-    rt.scheduler.device_merge = device_merge
+    from zipmoe.runtime.engine.staging import StagingRing
+
+    rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=device_merge)
     ref = reference(src)
     for seed in range(3):
         batch = inputs(json.loads((src / "config.json").read_text())["vocab_size"], False, batch=2, seed=seed)
@@ -360,7 +379,7 @@ def test_ctrl_c_while_a_cached_expert_computes_waits_for_the_fetches_in_flight(t
     req = requirements(path, workers=2)
     model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=2)
     rt = model.zipmoe
-    sched = rt.scheduler
+    sched = rt.fetcher
     run = sched.run
     hit = {"n": 0}
 
@@ -406,7 +425,7 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
     req = requirements(path, workers=2)
     model, _ = zipmoe.load(path, budget=req["budget_for"](0.9), workers=2)
     rt = model.zipmoe
-    sched = rt.scheduler
+    sched = rt.fetcher
     total = rt.cache.capacity_bytes()
     rt.cache.pools["full"].capacity, rt.cache.pools["compressed"].capacity = 0, total  # compressed hits only
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
@@ -418,7 +437,7 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
 
     running = {"n": 0}
     lock = threading.Lock()
-    piece, submit = sched._piece, sched.pool.submit
+    piece, submit = sched.decoder._piece, sched.decoder.pool.submit
 
     def slow_piece(*a):
         with lock:
@@ -439,8 +458,8 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
                 raise KeyboardInterrupt
         return submit(rank, fn, *args)
 
-    sched._piece = slow_piece
-    sched.pool.submit = submit_interrupting
+    sched.decoder._piece = slow_piece
+    sched.decoder.pool.submit = submit_interrupting
     with pytest.raises(KeyboardInterrupt):
         with torch.no_grad():
             model(**batch)
@@ -448,7 +467,7 @@ def test_ctrl_c_while_queueing_a_split_decode_leaves_no_job_running(tmp_path_fac
     with lock:
         assert running["n"] == 0, "decode jobs still running after the layer gave their bytes back"
     assert rt._inflight == 0 and not rt.cache.pinned
-    sched._piece, sched.pool.submit = piece, submit
+    sched.decoder._piece, sched.decoder.pool.submit = piece, submit
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     rt.close()

@@ -29,7 +29,7 @@ def loaded(tmp_path_factory):
 
 
 def _prompts(tok):
-    from zipmoe.runtime.engine.generate import chat_inputs
+    from zipmoe.runtime.engine.turn import chat_inputs
 
     texts = ["Hello there", "What is the capital of France?", "Tell me a story about a dragon and a knight", "x"]
     return [chat_inputs(tok, [{"role": "user", "content": t}], "cpu")["input_ids"][0].tolist() for t in texts]
@@ -195,13 +195,91 @@ def test_engine_batches_cancels_and_stops(loaded):
     lone, _ = _alone(TransformersStepper(model), reqs[0].prompt_ids, 6)
     for r in reqs:
         engine.submit(r)
-    engine.start()
+    model_thread = threading.Thread(target=engine.run, daemon=True)  # as the server's model thread runs it
+    model_thread.start()
     try:
         reqs[3].cancel()
         assert done.wait(60)
     finally:
-        engine.stop(timeout=30)
+        engine.stop()
+        model_thread.join(30)
     assert [r.finish_reason for r in reqs[:3]] == ["length"] * 3 and reqs[3].finish_reason == "cancelled"
     assert all(len(r.token_ids) == 6 for r in reqs[:3]) and len(reqs[3].token_ids) < 400
     assert reqs[0].token_ids == lone  # the first two started together: padded, still the same tokens here
     assert engine.running == 0 and engine.waiting == 0
+
+
+def test_the_lone_path_keeps_no_graph_and_computes_chats_logits(loaded):
+    """The server's model thread runs with autograd on: the lone request's logits (the stepper
+    over its DecodeLoop) carry no graph, nor do a batch's, and they are torch.equal to the
+    logits of chat's turn (the DecodeLoop.generate call chat_turn makes), its tokens chat's."""
+    from zipmoe.runtime.engine.loop import DecodeLoop
+    from zipmoe.runtime.engine.turn import chat_turn
+    from zipmoe.runtime.server.stepper import LoopBatch, TransformersStepper
+
+    model, tok = loaded
+    assert torch.is_grad_enabled()
+    stepper = TransformersStepper(model, context=64)
+    ids = _prompts(tok)[1]
+    batch, logits = stepper.prefill([ids], alone=True)
+    assert isinstance(batch, LoopBatch)
+    got, toks = [logits], [int(logits[0].argmax())]
+    for _ in range(5):
+        logits = stepper.step(batch, [toks[-1]])
+        got.append(logits)
+        toks.append(int(logits[0].argmax()))
+    _, batch_logits = stepper.prefill(_prompts(tok)[:2])
+    for x in got + [batch_logits]:
+        assert x.grad_fn is None and not x.requires_grad
+
+    chat_loop = DecodeLoop(model, context=64)
+    kept = []
+    generate = chat_loop.generate
+
+    def keeping(*args, **kw):  # chat's own call, with its logits kept
+        kept.append(generate(*args, **dict(kw, keep_logits=True)))
+        return kept[-1]
+
+    chat_loop.generate = keeping
+    inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones((1, len(ids)), dtype=torch.long)}
+    turn = chat_turn(model, tok, inputs, max_new_tokens=6, greedy=True, loop=chat_loop, reuse=True)
+    want = kept[0].logits
+    assert turn.token_ids == toks[: len(turn.token_ids)] and len(want) == len(turn.token_ids) >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(x.grad_fn is None and not x.requires_grad for x in want)
+
+
+def test_a_lone_sampled_request_is_chats_seeded_turn(loaded):
+    """The server samples as chat does (one Sampler: the generation config's processors, its
+    top-k included): a lone seeded request at a temperature and top-p answers the tokens of
+    `zipmoe chat --seed S --temperature T --top-p P`'s turn."""
+    from zipmoe.runtime.engine.loop import DecodeLoop
+    from zipmoe.runtime.engine.sampling import eos_ids
+    from zipmoe.runtime.engine.turn import chat_turn
+    from zipmoe.runtime.server.batcher import Engine, Request, SamplingParams
+    from zipmoe.runtime.server.stepper import TransformersStepper, context_length
+
+    model, tok = loaded
+    ids = _prompts(tok)[2]
+    for seed in (3, 4):
+        engine = Engine(max_batch=2)
+        stepper = TransformersStepper(model, context=128)
+        assert stepper.fits_loop(len(ids) + 8)
+        engine.attach(stepper, tok, context=context_length(model),
+                      eos_ids=eos_ids(model.generation_config, model.config, tok))
+        done = threading.Event()
+        req = Request(ids, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=seed),
+                      lambda kind, payload: done.set() if kind != "delta" else None)
+        engine.submit(req)
+        model_thread = threading.Thread(target=engine.run, daemon=True)
+        model_thread.start()
+        try:
+            assert done.wait(60)
+        finally:
+            engine.stop()
+            model_thread.join(30)
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones((1, len(ids)), dtype=torch.long)}
+        want = chat_turn(model, tok, inputs, max_new_tokens=8, temperature=0.8, top_p=0.9, seed=seed,
+                         loop=DecodeLoop(model, context=128))
+        assert want.stats["stop"] in ("eos", "max_new_tokens")
+        assert req.error is None and req.cached_tokens == 0 and req.token_ids == want.token_ids, seed

@@ -10,7 +10,7 @@ longer than the cache is one line, not a crash.
 with ``--json`` one ``--prompt`` prints one JSON document (``token_ids``, ``text``, ``stats``,
 ``interrupted``) and several print ``{"turns": [{"token_ids", "text", "stats", "interrupted"}, ...]}``.
 The work is done by :func:`zipmoe.runtime.engine.loader.load`,
-:class:`zipmoe.runtime.engine.loop.DecodeLoop` and :func:`zipmoe.runtime.engine.generate.generate_turn`.
+:class:`zipmoe.runtime.engine.loop.DecodeLoop` and :func:`zipmoe.runtime.engine.turn.chat_turn`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def chat(
     from rich.console import Console
 
     from zipmoe.errors import UsageError, ZipmoeError
-    from zipmoe.runtime.engine.generate import chat_inputs, generate_turn
+    from zipmoe.runtime.engine.turn import chat_inputs, chat_turn
     from zipmoe.machine import decode_workers, torch_threads
     from zipmoe.runtime.engine.loader import load
     from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop
@@ -138,10 +138,9 @@ def chat(
     prompts = list(prompt or [])
     if as_json and not prompts:
         raise UsageError("--json needs --prompt (one turn, one JSON document)")
-    if force:
-        import os
+    from zipmoe_cli.env import load_options
 
-        os.environ["ZIPMOE_FORCE"] = "1"  # zipmoe.load's memory-limit check (engine/memlimit.py)
+    engine_options = load_options(force)  # ZIPMOE_READERS / _PREFETCH / _FORCE, and --force
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if temperature is not None and temperature < 0:
@@ -162,7 +161,7 @@ def chat(
     if not quiet:
         err.print(f"loading {file} …", style="dim", markup=False)
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels)
+                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels, **engine_options)
     rt = model.zipmoe
     if tokenizer is None:
         rt.close()
@@ -189,9 +188,9 @@ def chat(
         def on_text(t):
             out.print(t, end="", markup=False)
 
-        return generate_turn(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
-                             temperature=temperature, top_p=top_p, seed=seed, on_text=on_text if stream else None,
-                             loop=loop, reuse=loop is not None)
+        return chat_turn(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
+                         temperature=temperature, top_p=top_p, seed=seed, on_text=on_text if stream else None,
+                         loop=loop, reuse=loop is not None)
 
     def note_of(res) -> str:
         if res.interrupted:

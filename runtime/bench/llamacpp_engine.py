@@ -47,18 +47,18 @@ def before_load(spec: dict) -> dict:
 
 
 def _eos_ids(source: str | None) -> list[int]:
-    ids: set[int] = set()
-    if not source:
-        return []
-    for name in ("config.json", "generation_config.json"):
+    """The end-of-sequence ids transformers masks for ``min_new_tokens``: generation_config.json's,
+    else config.json's (engine/sampling.py's ``eos_ids``)."""
+    from zipmoe.runtime.engine.sampling import eos_ids
+
+    docs = []
+    for name in ("generation_config.json", "config.json"):
         try:
-            v = json.loads(Path(source, name).read_text()).get("eos_token_id")
+            doc = json.loads(Path(source, name).read_text()) if source else None
         except (OSError, json.JSONDecodeError):
-            continue
-        for x in (v if isinstance(v, list) else [v]):
-            if isinstance(x, int):
-                ids.add(x)
-    return sorted(ids)
+            doc = None
+        docs.append(doc if isinstance(doc, dict) else None)
+    return eos_ids(*docs)
 
 
 class LlamaCppModel:

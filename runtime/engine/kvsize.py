@@ -1,36 +1,104 @@
-"""The KV cache's size from a model's config.json alone (no torch): for the bench's memory
-cgroups, which are set before the model is loaded. An upper bound: sliding-window layers are
-counted at the full context (the decode loop's own ``kv_bytes`` is what it allocated)."""
+"""The model's context length and its KV cache's size, from its config: one module for the
+decode loop (what it allocates), the load-time memory check (``memlimit``) and the bench's
+memory cgroups (set before the model is loaded, from config.json alone).
+
+Every function takes a config object (``model.config``) or a config.json dict; nothing here
+imports torch at module level (:func:`static_cache_bytes` imports transformers when called).
+
+Per position, a decoder layer caches keys and values of ``num_key_value_heads`` heads of
+``head_dim`` (``hidden_size // num_attention_heads`` when the config has none); DeepSeek's
+multi-head latent attention caches its compressed latent instead (transformers 5: one head of
+``kv_lora_rank`` as keys and one of ``qk_rope_head_dim`` as values); an encoder-decoder model's
+decoder layer holds a self-attention and a cross-attention cache (``num_heads`` of ``d_kv``).
+"""
 
 from __future__ import annotations
 
-__all__ = ["kv_cache_bytes_upper", "effective_context"]
+__all__ = ["kv_cache_bytes", "kv_cache_bytes_upper", "kv_shapes", "max_context", "static_cache_bytes"]
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def _text(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
+def _get(cfg, key: str):
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
-def effective_context(cfg: dict, context: int) -> int:
-    """``context`` clamped to the model's ``max_position_embeddings`` (when it has one)."""
-    limit = _text(cfg).get("max_position_embeddings")
-    return min(int(context), int(limit)) if isinstance(limit, int) and limit > 0 else int(context)
+def _text(cfg):
+    """The decoder's (text) config of ``cfg``."""
+    if isinstance(cfg, dict):
+        return cfg.get("text_config") or cfg
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
 
 
-def kv_cache_bytes_upper(cfg: dict, *, batch: int, context: int, itemsize: int) -> int:
-    """Bytes of keys and values for ``batch`` rows of ``context`` positions in every decoder
-    layer; 0 for encoder-decoder models (the decode loop does not serve them)."""
-    if cfg.get("is_encoder_decoder"):
-        return 0
+def max_context(cfg) -> int | None:
+    """The model's own limit on positions (``max_position_embeddings`` or what the config calls
+    it), None when it has none."""
     t = _text(cfg)
-    layers = t.get("num_hidden_layers")
-    heads = t.get("num_attention_heads")
-    if not isinstance(layers, int) or not isinstance(heads, int) or heads <= 0:
+    for key in _CONTEXT_KEYS:
+        v = _get(t, key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _int(v) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def kv_shapes(cfg) -> list[tuple[int, int, int]] | None:
+    """``(heads, key dim, value dim)`` of every cache the model's decoder keeps per position (one
+    per decoder layer; two, self- and cross-attention, per decoder layer of an encoder-decoder
+    model); None when the config does not say."""
+    t = _text(cfg)
+    if _get(cfg, "is_encoder_decoder"):
+        layers = _int(_get(t, "num_decoder_layers")) or _int(_get(t, "num_layers"))
+        heads = _int(_get(t, "num_heads")) or _int(_get(t, "num_attention_heads"))
+        if not layers or not heads:
+            return None
+        hidden = _int(_get(t, "d_model")) or _int(_get(t, "hidden_size")) or 0
+        hd = _int(_get(t, "d_kv")) or hidden // heads
+        return [(heads, hd, hd)] * (2 * layers)
+    layers = _int(_get(t, "num_hidden_layers")) or _int(_get(t, "num_layers"))
+    heads = _int(_get(t, "num_attention_heads"))
+    if not layers or not heads:
+        return None
+    if _get(t, "kv_lora_rank") and _get(t, "qk_rope_head_dim"):  # DeepSeek MLA: the latent and the rotary key
+        return [(1, int(_get(t, "kv_lora_rank")), int(_get(t, "qk_rope_head_dim")))] * layers
+    kv = _int(_get(t, "num_key_value_heads")) or heads
+    hd = _int(_get(t, "head_dim")) or (int(_get(t, "hidden_size")) // heads)
+    return [(kv, hd, hd)] * layers
+
+
+def kv_cache_bytes(cfg, *, context: int, itemsize: int, batch: int = 1, clamp: bool = True,
+                   lengths: list[int] | None = None) -> int:
+    """Bytes of keys and values for ``batch`` rows of ``context`` positions (clamped to the
+    model's limit unless ``clamp`` is False) in every cache :func:`kv_shapes` names; ``lengths``:
+    the positions each layer holds instead (a sliding-window layer's window). 0 when the config
+    does not say."""
+    shapes = kv_shapes(cfg)
+    if not shapes:
         return 0
-    if t.get("kv_lora_rank") and t.get("qk_rope_head_dim"):  # DeepSeek MLA: the latent and the rotary key
-        per_token = int(t["kv_lora_rank"]) + int(t["qk_rope_head_dim"])
-    else:
-        kv = t.get("num_key_value_heads") or heads
-        hd = t.get("head_dim") or (int(t["hidden_size"]) // heads)
-        per_token = 2 * int(kv) * int(hd)
-    return int(batch) * effective_context(cfg, context) * int(layers) * per_token * int(itemsize)
+    limit = max_context(cfg) if clamp else None
+    n = min(int(context), limit) if limit else int(context)
+    lengths = list(lengths) if lengths is not None else [n] * len(shapes)
+    return sum(int(batch) * heads * int(length) * (kd + vd) * int(itemsize)
+               for (heads, kd, vd), length in zip(shapes, lengths))
+
+
+def kv_cache_bytes_upper(cfg, *, batch: int, context: int, itemsize: int) -> int:
+    """The decode loop's KV cache for ``batch`` rows of ``context`` positions, from config.json
+    alone (the bench's memory cgroups): an upper bound, sliding-window layers counted at the
+    full context; 0 for encoder-decoder models (the decode loop does not serve them)."""
+    if _get(cfg, "is_encoder_decoder"):
+        return 0
+    return kv_cache_bytes(cfg, batch=batch, context=context, itemsize=itemsize)
+
+
+def static_cache_bytes(config, *, batch: int, context: int, itemsize: int) -> int:
+    """Exactly what a transformers ``StaticCache`` of ``context`` positions allocates for
+    ``batch`` rows of this decoder-only model (a sliding-window layer holds its window only)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=int(context))
+    return kv_cache_bytes(config, batch=batch, context=context, itemsize=itemsize, clamp=False,
+                          lengths=[int(layer.max_cache_len) for layer in cache.layers])

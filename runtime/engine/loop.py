@@ -13,10 +13,17 @@ same kernels and the same cache implementation: ``from_pretrained(..., experts_i
 loop builds the model's inputs exactly as ``generate`` does for a static cache: position ids
 from the attention mask's cumulative sum, the 2-D mask dropped when it holds no padding (at the
 first prefill of the cache), ``logits_to_keep=1``, the last position's logits copied to float32,
-the same logits processors (``model._get_logits_processor`` for the same generation config),
-``argmax`` or ``softmax`` + ``multinomial`` for the next token, finished rows padded with the
-pad token. A dynamic cache (what plain ``model.generate`` uses) gives different bits in the
-attention over the cache, so the static cache is part of the reference.
+the same logits processors and ``argmax`` or ``softmax`` + ``multinomial`` for the next token
+(:class:`zipmoe.runtime.engine.sampling.Sampler`, which the server's rows use too), finished rows
+padded with the pad token. A dynamic cache (what plain ``model.generate`` uses) gives different
+bits in the attention over the cache, so the static cache is part of the reference.
+
+Every entry point that computes (:meth:`DecodeLoop.prefill`, :meth:`~DecodeLoop.step`,
+:meth:`~DecodeLoop.generate`, :meth:`~DecodeLoop.forward`, :meth:`~DecodeLoop.reset`,
+:func:`generate_ids`) runs under ``torch.inference_mode()`` itself: no caller can leave autograd
+on (which kept every step's graph, and the expert weights in it, alive), and the logits it
+returns carry no graph. Its bits are ``generate``'s under ``torch.no_grad()``: grad mode is off
+in both, so the expert hook hands the kernels weights that do not require grad in both.
 
 Multi-turn: :meth:`DecodeLoop.prefill` with ``reuse=True`` (batch 1) keeps the longest common
 prefix of the token ids the cache holds (``loop.tokens``) and the new prompt, crops the cache
@@ -54,16 +61,17 @@ only what the graphed step is told about where the token goes.)
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime.engine.hf_compat import cache_kw, crop
+from zipmoe.runtime.engine.hf_compat import crop
+from zipmoe.runtime.engine.kvsize import kv_shapes, max_context
+from zipmoe.runtime.engine.sampling import Sampler, eos_ids, finish_reason, generation_config
+from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
-__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "kv_cache_bytes",
-           "loop_generate", "model_max_context"]
+__all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "generate_ids"]
 
 DEFAULT_CONTEXT = 4096
 
@@ -85,58 +93,6 @@ class GenerateResult:
     times: list = field(default_factory=list)  # perf_counter() when each new token was known
 
 
-def model_max_context(config) -> int | None:
-    """The model's own limit on positions (``max_position_embeddings``), None when it has none."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def _kv_shapes(config) -> list[tuple[int, int, int]] | None:
-    """(kv heads, key head dim, value head dim) per decoder layer, from the config; None when
-    the config does not say (the cache then allocates itself at the first forward)."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layers = getattr(cfg, "num_hidden_layers", None)
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(layers, int) or not isinstance(heads, int):
-        return None
-    if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
-        # DeepSeek's multi-head latent attention caches the compressed latent (one head of
-        # kv_lora_rank) as keys and the rotary part (one head of qk_rope_head_dim) as values
-        return [(1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim))] * layers
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads)
-    return [(int(kv), int(hd), int(hd))] * layers
-
-
-def kv_cache_bytes(config, *, batch: int, context: int, dtype: torch.dtype) -> int | None:
-    """Bytes of the static KV cache of ``batch`` rows of ``context`` positions (keys and values
-    of every layer; a sliding-window layer holds its window only)."""
-    from transformers import StaticCache
-
-    shapes = _kv_shapes(config)
-    if shapes is None:
-        return None
-    cache = StaticCache(config=config, max_cache_len=context)
-    item = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for layer, (heads, kd, vd) in zip(cache.layers, shapes):
-        total += batch * heads * int(layer.max_cache_len) * (kd + vd) * item
-    return total
-
-
-def _eos_ids(gen_config) -> list[int]:
-    eos = getattr(gen_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):
-        return [int(x) for x in eos.reshape(-1).tolist()]
-    return [int(eos)] if isinstance(eos, int) else [int(x) for x in eos]
-
-
 class DecodeLoop:
     """A static KV cache and the decode loop over it, for one model.
 
@@ -146,7 +102,7 @@ class DecodeLoop:
     see the module docstring.
     """
 
-    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs="auto") -> None:
+    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None) -> None:
         from transformers import StaticCache
 
         if getattr(model.config, "is_encoder_decoder", False):
@@ -158,7 +114,7 @@ class DecodeLoop:
             raise UsageError("batch must be at least 1")
         self.model = model
         self.config = model.config
-        limit = model_max_context(model.config)
+        limit = max_context(model.config)
         self.requested_context = int(context)
         self.context = min(int(context), limit) if limit else int(context)
         self.clamped = self.context < self.requested_context
@@ -168,7 +124,7 @@ class DecodeLoop:
         self.dtype = model.dtype
         self.cache = StaticCache(config=model.config, max_cache_len=self.context)
         self.kv_bytes = None
-        shapes = _kv_shapes(model.config)
+        shapes = kv_shapes(model.config)
         if shapes is not None and len(shapes) == len(self.cache.layers):
             for layer, (heads, kd, vd) in zip(self.cache.layers, shapes):
                 k = torch.zeros((self.batch, heads, 0, kd), dtype=self.dtype, device=self.device)
@@ -200,6 +156,7 @@ class DecodeLoop:
         """``[batch]`` position id of each row's next token (after a prefill)."""
         return self._pos.reshape(-1) + 1
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Forget the cached positions (the tensors stay allocated)."""
         if self.length:
@@ -225,46 +182,45 @@ class DecodeLoop:
 
     # ---------------------------------------------------------------- graphs
     def _setup_graphs(self, graphs) -> None:
-        if graphs is False or graphs is None or graphs == "off":
+        """``graphs``: ``"auto"`` | ``"on"`` | ``"off"`` (or True / False); None: the runtime's
+        ``EngineSettings.graphs`` (``"auto"`` for a model that is not a zipmoe model)."""
+        if graphs is None:
+            rt = getattr(self.model, "zipmoe", None)
+            graphs = getattr(getattr(rt, "settings", None), "graphs", "auto")
+        if graphs is True:
+            graphs = "on"
+        if graphs is False:
+            graphs = "off"
+        if graphs not in ("auto", "on", "off"):
+            raise UsageError(f"graphs must be 'auto', 'on' or 'off', not {graphs!r}")
+        if graphs == "off":
             return
-        if graphs not in (True, "auto", "on"):
-            raise UsageError(f"graphs must be True, False or 'auto', not {graphs!r}")
-        want = graphs in (True, "on")
-        mod = None
-        if self.device.type == "cuda":
-            try:
-                from zipmoe.runtime.engine import graphs as mod  # written beside this module (CUDA graphs)
-            except ImportError:
-                mod = None
         ok = False
-        if mod is not None:
-            try:
-                ok = bool(mod.supported(self.model, self.batch))
-            except Exception:
-                ok = False
+        if self.device.type == "cuda":
+            from zipmoe.runtime.engine import graphs as mod  # CUDA graphs of the decode step
+
+            ok = mod.why_not(self.model, self.batch) is None
         if ok:
             self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch)
-        elif want:
+        elif graphs == "on":
             raise UsageError(f"CUDA graphs are not available for this model at batch {self.batch} on {self.device} "
                              "(use graphs='auto' to fall back to eager steps)")
 
     # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
-        """One forward over the cache: ``[batch, n]`` new ids at ``position_ids`` -> ``[batch, vocab]``
-        logits of the last new position (model dtype). The one place a step's compute runs;
-        subclasses or the CUDA graphs replace it."""
-        kw = {"logits_to_keep": 1} if self._keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **{cache_kw(self.model): self.cache}, **kw)
-        return out.logits[:, -1]
+        """One eager forward over the cache: ``[batch, n]`` new ids at ``position_ids`` ->
+        ``[batch, vocab]`` logits of the last new position (model dtype): engine/step.py's
+        ``forward``, the call the CUDA graphs capture."""
+        return step_forward(self.model, self.cache, input_ids, position_ids, attention_mask, keep_last=self._keep)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, single: bool) -> torch.Tensor:
         try:
-            if single and self.graphed is not None and mask is None:
-                where = torch.tensor([self.length], dtype=torch.long, device=self.device)
-                logits = self.graphed(ids, where, None)
-                if logits.ndim == 3:
-                    logits = logits[:, -1]
+            if single:
+                # a decode step: the mask in its static [batch, context] form, eager or graphed
+                # (the same call either way: engine/step.py)
+                mask = static_mask(mask, pos, self.context)
+                logits = self.graphed(ids, pos, mask) if self.graphed is not None else self.forward(ids, pos, mask)
             else:
                 logits = self.forward(ids, pos, mask)
         except BaseException:  # Ctrl-C or an error mid-forward: some layers were updated, others not
@@ -278,6 +234,7 @@ class DecodeLoop:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(self.length)
 
+    @torch.inference_mode()
     def prefill(self, input_ids, attention_mask=None, *, reuse: bool = False) -> torch.Tensor:
         """Feed a prompt; returns the float32 ``[batch, vocab]`` logits of its last position.
 
@@ -328,6 +285,7 @@ class DecodeLoop:
         self.tokens = [row[:] for row in host]
         return logits
 
+    @torch.inference_mode()
     def step(self, token_ids) -> torch.Tensor:
         """Feed one new token per row (``[batch]`` or ``[batch, 1]``); returns the float32
         ``[batch, vocab]`` logits of the next position."""
@@ -348,31 +306,8 @@ class DecodeLoop:
             row.append(t)
         return logits
 
-    # ---------------------------------------------------------------- sampling
-    def generation_config(self, *, do_sample=None, temperature=None, top_p=None, top_k=None, **extra):
-        """The generation config ``model.generate`` would use for the same arguments."""
-        kw = dict(extra)
-        if do_sample is not None:
-            kw["do_sample"] = bool(do_sample)
-        if temperature is not None:
-            kw["temperature"] = temperature
-        if top_p is not None:
-            kw["top_p"] = top_p
-        if top_k is not None:
-            kw["top_k"] = top_k
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cfg, _ = self.model._prepare_generation_config(None, **kw)
-        return cfg
-
-    def _processors(self, cfg, prompt_len: int):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.model._prepare_special_tokens(cfg, True, device=self.device, batch_size=self.batch)
-            return self.model._get_logits_processor(generation_config=cfg, input_ids_seq_length=prompt_len,
-                                                    encoder_input_ids=None, prefix_allowed_tokens_fn=None,
-                                                    logits_processor=None, device=self.device, model_kwargs={})
-
+    # ---------------------------------------------------------------- generate
+    @torch.inference_mode()
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int = 256, do_sample=None,
                  temperature=None, top_p=None, top_k=None, seed: int | None = None, reuse: bool = False,
                  on_token=None, keep_logits: bool = False, min_new_tokens: int = 0, generation_kwargs=None,
@@ -394,40 +329,32 @@ class DecodeLoop:
         extra = dict(generation_kwargs or {})
         given = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
         given.update({k: extra.pop(k) for k in list(given) if k in extra and given[k] is None})
-        cfg = self.generation_config(**given, max_new_tokens=int(max_new_tokens), min_new_tokens=int(min_new_tokens),
-                                     **extra)
+        cfg = generation_config(self.model, **given, max_new_tokens=int(max_new_tokens),
+                                min_new_tokens=int(min_new_tokens), **extra)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.ndim == 1:
             ids = ids[None]
-        processors = self._processors(cfg, int(ids.shape[1]))
-        eos = _eos_ids(cfg)
-        pad = cfg._pad_token_tensor
-        sample = bool(cfg.do_sample)
+        sampler = Sampler(self.model, cfg, prompt_len=int(ids.shape[1]), batch=self.batch, device=self.device)
         if seed is not None:
             torch.manual_seed(seed)
         res = GenerateResult(tokens=[[] for _ in range(self.batch)])
         unfinished = torch.ones(self.batch, dtype=torch.long, device=self.device)
-        eos_t = torch.tensor(eos, dtype=torch.long, device=self.device) if eos else None
+        eos_t = torch.tensor(sampler.eos, dtype=torch.long, device=self.device) if sampler.eos else None
         seq = None  # the whole sequence (prompt + new), only when a processor needs it
         t0 = time.perf_counter()
         t_first = None
         try:
             logits = self.prefill(ids, attention_mask, reuse=reuse)
             t_prefill = time.perf_counter()
-            if processors:
+            if sampler.needs_ids:
                 seq = ids.to(self.device)
             n = 0
             while True:
-                scores = processors(seq, logits) if processors else logits
                 if keep_logits:
                     res.logits.append(logits)
-                if sample:
-                    probs = torch.nn.functional.softmax(scores, dim=-1)
-                    nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
-                else:
-                    nxt = torch.argmax(scores, dim=-1)
+                nxt = sampler(logits, seq)
                 if eos_t is not None:
-                    nxt = nxt * unfinished + pad * (1 - unfinished)
+                    nxt = nxt * unfinished + sampler.pad * (1 - unfinished)
                 host = nxt.tolist()
                 now = time.perf_counter()
                 if t_first is None:
@@ -444,17 +371,11 @@ class DecodeLoop:
                     unfinished = unfinished & ~torch.isin(nxt, eos_t)
                 if on_token is not None:
                     on_token(host)
-                if eos_t is not None and not bool(unfinished.any()):
-                    res.stop = "eos"
-                    break
-                if n >= max_new_tokens:
-                    res.stop = "max_new_tokens"
-                    break
-                if stop_when is not None and stop_when(n):
-                    res.stop = "stop_when"
-                    break
-                if self.length >= self.context:
-                    res.stop = "context"
+                reason = finish_reason(eos=eos_t is not None and not bool(unfinished.any()), new_tokens=n,
+                                       max_new_tokens=max_new_tokens, room=self.context - self.length,
+                                       stop_when=stop_when)
+                if reason is not None:
+                    res.stop = reason
                     break
                 logits = self.step(nxt)
         except KeyboardInterrupt:
@@ -477,13 +398,15 @@ class DecodeLoop:
         return res
 
 
-def loop_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int, min_new_tokens: int = 0,
-                  do_sample: bool = False, streamer=None, pad_token_id=None, **generation_kwargs) -> torch.Tensor:
-    """``model.generate(...)``'s common keywords on the decode loop: the sequences ``[batch,
-    prompt + new]`` (finished rows padded), the streamer fed as ``generate`` feeds it (the
-    prompt, then each step's new ids, then ``end()``). The loop (and its cache) is kept on the
-    model per batch size and reused while the context it needs fits; for the planner's and
-    tools' served passes, which then time what serving runs. Encoder-decoder models run
+@torch.inference_mode()
+def generate_ids(model, input_ids, attention_mask=None, *, max_new_tokens: int, min_new_tokens: int = 0,
+                 do_sample: bool = False, streamer=None, pad_token_id=None, **generation_kwargs) -> torch.Tensor:
+    """``model.generate(...)``'s common keywords on the runtime's decode loop: the sequences
+    ``[batch, prompt + new]`` (finished rows padded), the streamer fed as ``generate`` feeds it
+    (the prompt, then each step's new ids, then ``end()``). The loop (and its cache) is kept in
+    the runtime's ``loops`` (``model.zipmoe.loops``, per batch size) and reused while the
+    context it needs fits (a model without a runtime gets a loop per call); for the planner's
+    and tools' served passes, which then time what serving runs. Encoder-decoder models run
     ``model.generate`` itself."""
     if getattr(model.config, "is_encoder_decoder", False):
         kw = dict(generation_kwargs)
@@ -495,7 +418,8 @@ def loop_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int,
     if ids.ndim == 1:
         ids = ids[None]
     batch, need = int(ids.shape[0]), int(ids.shape[1]) + int(max_new_tokens)
-    loops = model.__dict__.setdefault("_zipmoe_loops", {})
+    rt = getattr(model, "zipmoe", None)
+    loops = rt.loops if rt is not None else {}
     loop = loops.get(batch)
     if loop is None or loop.context < need:
         loops.pop(batch, None)
@@ -514,7 +438,7 @@ def loop_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int,
     if res.interrupted:
         raise KeyboardInterrupt
     width = max(len(t) for t in res.tokens)
-    pad = int(pad_token_id if pad_token_id is not None else (_eos_ids(loop.generation_config()) or [0])[0])
+    pad = int(pad_token_id if pad_token_id is not None else (eos_ids(model.generation_config) or [0])[0])
     new = torch.tensor([t + [pad] * (width - len(t)) for t in res.tokens], dtype=torch.long)
     return torch.cat([ids.cpu(), new], dim=-1).to(ids.device)
 

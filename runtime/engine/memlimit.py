@@ -17,8 +17,8 @@ and refuses in one line, with the figures, when the limit is below baseline + bu
 (``BudgetError``; ``--force`` on chat and plan, ``zipmoe.load(force=True)``, proceeds). The
 baseline is measured, not guessed: the process's resident memory (``VmRSS``) when the check runs,
 just before the weights are loaded. The KV cache is estimated for ``kv_tokens`` tokens (default
-:data:`DEFAULT_KV_TOKENS`) at batch 1 from the config (layers × 2 × key/value heads × head dim ×
-the dtype's bytes).
+:data:`DEFAULT_KV_TOKENS`) at batch 1 from the config (:mod:`.kvsize`: layers × keys and values
+per position × the dtype's bytes).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from zipmoe.errors import BudgetError
+from zipmoe.runtime.engine.kvsize import kv_cache_bytes as _kv_bytes
 from zipmoe.units import format_size
 
 __all__ = ["limits", "check", "process_memory", "kv_cache_bytes", "DEFAULT_KV_TOKENS"]
@@ -104,15 +105,9 @@ def process_memory(status: str = "/proc/self/status") -> dict:
 
 
 def kv_cache_bytes(cfg: dict, itemsize: int, tokens: int = DEFAULT_KV_TOKENS) -> int:
-    """Keys and values of ``tokens`` tokens at batch 1, from a config.json dict."""
-    layers = int(cfg.get("num_hidden_layers") or cfg.get("num_layers") or 0) + int(cfg.get("num_decoder_layers") or 0)
-    heads = int(cfg.get("num_attention_heads") or cfg.get("num_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or 0)
-    head_dim = int(cfg.get("head_dim") or cfg.get("d_kv") or (hidden // max(1, heads)))
-    if cfg.get("kv_lora_rank"):  # DeepSeek MLA as transformers caches it: full keys and values
-        head_dim = int(cfg.get("qk_nope_head_dim", 0)) + int(cfg.get("qk_rope_head_dim", 0))
-    return max(0, layers * 2 * kv_heads * head_dim * int(itemsize) * int(tokens))
+    """Keys and values of ``tokens`` tokens at batch 1, from a config.json dict (the arithmetic is
+    :func:`zipmoe.runtime.engine.kvsize.kv_cache_bytes`'s; not clamped to the model's limit)."""
+    return _kv_bytes(cfg, context=int(tokens), itemsize=int(itemsize), clamp=False)
 
 
 def check(budget: int, kv_bytes: int, *, force: bool = False, proc_cgroup: str = "/proc/self/cgroup",

@@ -62,6 +62,7 @@ class ServeConfig:
     max_body: int = 1 << 20
     shutdown_timeout: float = 10.0
     context: int = 4096  # the lone-request decode loop's KV cache (tokens; clamped to the model's limit)
+    load_options: dict | None = None  # more zipmoe.load keywords (readers, prefetch, force: the CLI's environment)
 
 
 class ServerState:
@@ -109,12 +110,13 @@ class ServerState:
     def _load(self) -> None:
         from zipmoe.errors import UsageError
         from zipmoe.runtime.engine.loader import load
+        from zipmoe.runtime.engine.sampling import eos_ids
 
         from .stepper import TransformersStepper, context_length
 
         c = self.cfg
         model, tokenizer = load(c.file, budget=c.budget, device=c.device, plan=c.plan, workers=c.workers,
-                                threads=c.threads, warm=c.warm, dtype=c.dtype)
+                                threads=c.threads, warm=c.warm, dtype=c.dtype, **(c.load_options or {}))
         self.model = model
         if tokenizer is None:
             raise UsageError(f"{c.file} has no tokenizer files: serve needs one")
@@ -127,7 +129,8 @@ class ServerState:
         self.context = context_length(model, tokenizer)
         self.vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
             else int(model.config.vocab_size)
-        self.engine.attach(stepper, tokenizer, context=self.context, eos_ids=_eos_ids(model, tokenizer))
+        self.engine.attach(stepper, tokenizer, context=self.context,
+                           eos_ids=eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
 
     def begin_shutdown(self) -> None:
         """SIGTERM/Ctrl-C: refuse new requests (503); cancel those still running after the timeout."""
@@ -180,7 +183,7 @@ class ServerState:
                               stop=body.stops(), seed=body.seed, ignore_eos=bool(body.ignore_eos))
 
     def chat_ids(self, conversation: list[dict]) -> list[int]:
-        from zipmoe.runtime.engine.generate import chat_inputs
+        from zipmoe.runtime.engine.turn import chat_inputs
 
         with self.tok_lock:
             try:
@@ -199,17 +202,6 @@ class ServerState:
             return list(prompt)
         with self.tok_lock:
             return list(self.tokenizer(prompt)["input_ids"])
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 # ---------------------------------------------------------------------------- helpers

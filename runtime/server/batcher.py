@@ -18,10 +18,14 @@ emit; all model work happens on the engine's own thread, through a stepper
    limit) or were cancelled (their client went away) leave the batch, freeing their slots.
 3. **step**: one decode step for every row left; each row samples its next token.
 
-Sampling is per row: greedy (temperature 0) is ``argmax`` of the logits (so a lone greedy
-request returns exactly ``zipmoe chat --greedy``'s tokens); otherwise the logits are divided by
-the temperature, cut to the top-p nucleus and sampled with the request's own generator (seeded
-by ``seed`` when given, so a seeded request is reproducible when it runs alone).
+Sampling is per row, chat's (the decode loop's): each request gets the stepper's
+:class:`~zipmoe.runtime.engine.sampling.Sampler` for its temperature and top-p over the model's
+generation config, so the logits go through the processors ``model.generate`` applies
+(temperature, the generation config's top-k (transformers' 50 when it names none), top-p,
+repetition penalty, ...), then greedy (temperature 0) is ``argmax``, otherwise ``softmax`` and
+``multinomial`` with the request's own generator (seeded by ``seed`` when given, so a seeded
+request is reproducible when it runs alone). A lone request therefore answers what ``zipmoe
+chat`` answers with the same settings: greedy, and sampled with the same seed.
 
 Events go to ``Request.sink(kind, payload)``, called on the model thread: ``("delta", text)``
 for new text (held back while it may still turn into a stop string or ends in half a
@@ -39,6 +43,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from zipmoe.runtime.engine.sampling import finish_reason
 
 __all__ = ["Engine", "Request", "SamplingParams", "QueueFull"]
 
@@ -81,6 +87,8 @@ class Request:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.generator: torch.Generator | None = None
+        self.sampler = None  # the stepper's Sampler, from admission on
+        self.seq: torch.Tensor | None = None  # [1, prompt + answer] ids, when the sampler reads them
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (thread-safe: a flag)."""
@@ -120,7 +128,6 @@ class Engine:
         self._rows: list[Request] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self.steps = 0
 
     # ------------------------------------------------------------------ the HTTP side
@@ -150,13 +157,8 @@ class Engine:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def start(self) -> None:
-        """Run :meth:`run` on a thread of its own."""
-        self._thread = threading.Thread(target=self.run, name="zipmoe-model", daemon=True)
-        self._thread.start()
-
     def run(self) -> None:
-        """The engine's loop, on the calling thread, until :meth:`stop`."""
+        """The engine's loop, on the calling thread (the server's model thread), until :meth:`stop`."""
         self._loop()
 
     def cancel_all(self) -> None:
@@ -166,15 +168,13 @@ class Engine:
                 r.cancel()
             self._cond.notify_all()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Cancel whatever is still queued or running, and end the model thread."""
+    def stop(self) -> None:
+        """Cancel whatever is still queued or running, and end :meth:`run` (the caller joins its thread)."""
         with self._cond:
             self._stopping = True
             for r in list(self._waiting) + list(self._rows):
                 r.cancel()
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the model thread
     def _loop(self) -> None:
@@ -227,13 +227,17 @@ class Engine:
         if self.metrics is not None:
             self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
         for i, r in enumerate(take):
-            if r.params.seed is not None or r.params.temperature > 0:
+            r.sampler = self.stepper.sampler(len(r.prompt_ids), temperature=r.params.temperature,
+                                             top_p=r.params.top_p)
+            if r.sampler.do_sample:
                 r.generator = torch.Generator(device=logits.device)
                 if r.params.seed is not None:
                     r.generator.manual_seed(int(r.params.seed))
                 else:
                     r.generator.seed()
-            self._accept(r, self._sample(r, logits[i]), len(r.prompt_ids) + 1)
+            if r.sampler.needs_ids:
+                r.seq = torch.tensor([r.prompt_ids], dtype=torch.long, device=logits.device)
+            self._accept(r, self._sample(r, logits[i:i + 1]), len(r.prompt_ids) + 1)
         with self._cond:
             if batch is None:
                 self._rows = list(take)
@@ -263,24 +267,16 @@ class Engine:
         if self.metrics is not None:
             self.metrics.step(len(rows), time.perf_counter() - t0)
         for i, r in enumerate(rows):
-            self._accept(r, self._sample(r, logits[i]), len(r.prompt_ids) + len(r.token_ids) + 1)
+            self._accept(r, self._sample(r, logits[i:i + 1]), len(r.prompt_ids) + len(r.token_ids) + 1)
 
     # ------------------------------------------------------------------ one row
     @staticmethod
     def _sample(r: Request, logits: torch.Tensor) -> int:
-        p = r.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits).item())
-        scores = logits.float() / float(p.temperature)
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(sorted_scores, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            cut = (probs.cumsum(-1) - probs) >= p.top_p
-            sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
-            scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=r.generator).item())
+        """The next token of ``r`` from its ``[1, vocab]`` logits."""
+        nxt = r.sampler(logits.float(), r.seq, generator=r.generator)
+        if r.seq is not None:
+            r.seq = torch.cat([r.seq, nxt[:, None]], dim=-1)
+        return int(nxt.item())
 
     def _accept(self, r: Request, token: int, length: int) -> None:
         """Record a new token of ``r`` (``length``: prompt + answer tokens so far), emit its text
@@ -290,16 +286,14 @@ class Engine:
             r.t_first = now
         r.t_last = now
         r.token_ids.append(token)
-        reason = None
-        if token in self.eos_ids and not r.params.ignore_eos:
-            reason = "stop"
+        end = finish_reason(eos=token in self.eos_ids and not r.params.ignore_eos, new_tokens=len(r.token_ids),
+                            max_new_tokens=r.params.max_tokens, room=self.context - length)
+        reason = {None: None, "eos": "stop"}.get(end, "length")
         text = self._decode(r.token_ids)
         for s in r.params.stop:
             at = text.find(s)
             if at >= 0:
                 text, reason = text[:at], "stop"
-        if reason is None and (len(r.token_ids) >= r.params.max_tokens or length >= self.context):
-            reason = "length"
         r.text = text
         if reason is None:
             hold = max((len(s) for s in r.params.stop), default=1) - 1

@@ -15,6 +15,11 @@ only:
   it at the next step. ``can_join`` is False for caches this module cannot re-pad; the engine
   then queues newcomers until the running batch has finished.
 
+All four run under ``torch.inference_mode()`` (no autograd graph is kept between steps), and
+``sampler(prompt_len, temperature=, top_p=)`` gives a request the decode loop's
+:class:`~zipmoe.runtime.engine.sampling.Sampler` (chat's sampling over the model's generation
+config), so that a lone request picks the tokens chat picks.
+
 **A lone request** (``alone=True``: the engine asks so when nothing else runs and the request
 fits :meth:`TransformersStepper.fits_loop`) decodes on zipmoe's own decode loop
 (:class:`zipmoe.runtime.engine.loop.DecodeLoop`: a static KV cache of ``context`` positions,
@@ -39,6 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
+from zipmoe.runtime.engine.kvsize import max_context
+from zipmoe.runtime.engine.loop import DecodeLoop, common_prefix
+from zipmoe.runtime.engine.sampling import Sampler, generation_config, sampling_kwargs
+
 __all__ = ["Batch", "LoopBatch", "TransformersStepper", "context_length"]
 
 
@@ -61,12 +70,11 @@ class Batch:
 
 
 def context_length(model, tokenizer=None) -> int:
-    """The longest sequence (prompt + answer) the model takes, from its config."""
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
+    """The longest sequence (prompt + answer) the model takes: its config's limit (the one the
+    decode loop clamps to), else the tokenizer's, else 2048."""
+    v = max_context(model.config)
+    if v:
+        return v
     v = getattr(tokenizer, "model_max_length", None)
     if isinstance(v, int) and 0 < v < 10**7:
         return v
@@ -102,9 +110,8 @@ class TransformersStepper:
         self.loop = None
         self.reused = 0  # prompt tokens the last prefill took from the loop's cache
         self._prompt_len = 0  # the prompt the loop's cache was last filled from
+        self._samplers: dict = {}  # (temperature, top_p) -> a Sampler that reads no ids (stateless: shared)
         if context:
-            from zipmoe.runtime.engine.loop import DecodeLoop
-
             self.loop = DecodeLoop(model, context=int(context), batch=1)
         # a lone row can join a batch when its static cache copies into a dynamic one
         self._loop_joins = self.loop is not None and all(type(layer).__name__ == "StaticLayer" for layer in self.loop.cache.layers)
@@ -113,7 +120,23 @@ class TransformersStepper:
         """Whether a lone request of ``tokens`` (prompt + the most it may generate) fits the loop's cache."""
         return self.loop is not None and tokens <= self.loop.context
 
+    def sampler(self, prompt_len: int, *, temperature: float, top_p: float) -> Sampler:
+        """How a request of ``prompt_len`` prompt tokens picks its tokens: greedy at temperature
+        0, else sampling at this temperature and top-p, over the model's generation config, as
+        the decode loop (chat) picks them."""
+        key = (float(temperature), float(top_p))
+        if key in self._samplers:
+            return self._samplers[key]
+        cfg = generation_config(self.model, **sampling_kwargs(temperature=temperature, top_p=top_p))
+        s = Sampler(self.model, cfg, prompt_len=prompt_len, batch=1, device=self.device)
+        if not s.needs_ids:  # its processors depend neither on the prompt nor on the tokens so far
+            if len(self._samplers) >= 64:
+                self._samplers.pop(next(iter(self._samplers)))
+            self._samplers[key] = s
+        return s
+
     # ------------------------------------------------------------------ the four calls
+    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], alone: bool = False):
         self.reused = 0
         if alone and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
@@ -134,6 +157,7 @@ class TransformersStepper:
         self._check_cache(cache)
         return batch, logits
 
+    @torch.inference_mode()
     def step(self, batch, tokens: list[int]) -> torch.Tensor:
         if isinstance(batch, LoopBatch):
             return batch.loop.step(tokens)
@@ -144,6 +168,7 @@ class TransformersStepper:
         batch.positions = batch.positions + 1
         return logits
 
+    @torch.inference_mode()
     def select(self, batch, keep: list[int]):
         if len(keep) == batch.rows:
             return batch
@@ -161,6 +186,7 @@ class TransformersStepper:
                 layer.values = layer.values.index_select(0, idx)[..., cut:, :].contiguous()
         return Batch(batch.cache, mask[:, cut:].contiguous(), batch.positions.index_select(0, idx))
 
+    @torch.inference_mode()
     def join(self, running, new) -> Batch:
         running, new = self._dynamic(running), self._dynamic(new)
         la, lb = running.mask.shape[1], new.mask.shape[1]
@@ -173,8 +199,6 @@ class TransformersStepper:
 
     # ------------------------------------------------------------------ the lone row
     def _prefill_loop(self, ids: list[int]):
-        from zipmoe.runtime.engine.loop import common_prefix
-
         loop = self.loop
         held = loop.tokens[0]
         # reuse the cache only for a prompt that extends the last one (a conversation's next
@@ -211,8 +235,7 @@ class TransformersStepper:
         # no padding: no mask, as generate() drops an all-ones mask (the same attention path)
         if bool((mask == 0).any()):
             kw["attention_mask"] = mask
-        with torch.no_grad():
-            out = self.model(input_ids=ids, **kw)
+        out = self.model(input_ids=ids, **kw)
         return out.logits[:, -1, :].float()
 
     @staticmethod

@@ -1,13 +1,14 @@
-"""One chat turn: prompt from the chat template, tokens streamed as they come, timing and counters.
+"""One chat turn, text in and text out: prompt from the chat template, tokens streamed as they
+come, timing and counters.
 
 :func:`chat_inputs` builds the model inputs of a conversation (``[{"role", "content"}, ...]``)
 with the tokenizer's chat template (a plain ``role: text`` transcript when the tokenizer has
-none). :func:`generate_turn` runs the turn on zipmoe's decode loop
+none). :func:`chat_turn` runs the turn on zipmoe's decode loop
 (:class:`zipmoe.runtime.engine.loop.DecodeLoop`, a static KV cache): pass ``loop=`` to keep the
 conversation's cache across turns (``reuse=True`` prefills only what the cache does not hold
-yet); without one, a loop sized for this turn is made. Encoder-decoder models, and
-``engine="generate"`` (the path before the loop, kept for comparison), run ``model.generate``.
-A streamer timestamps every new token and hands the text delta to a callback; Ctrl-C
+yet); without one, a loop sized for this turn is made. Encoder-decoder models, which have no
+decode loop, run ``model.generate``. Sampling is :mod:`zipmoe.runtime.engine.sampling`'s (as
+the server's). The text of the new tokens is handed to a callback as it grows; Ctrl-C
 (KeyboardInterrupt) stops the answer and the tokens so far are returned (``interrupted=True``).
 
 Stats of a turn (``TurnResult.stats``, also what ``chat --json`` prints):
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from zipmoe.runtime.engine.counters import delta
+from zipmoe.runtime.engine.sampling import sampling_kwargs
 
-__all__ = ["TurnResult", "chat_inputs", "generate_turn"]
+__all__ = ["TurnResult", "chat_inputs", "chat_turn"]
 
 
 @dataclass
@@ -102,18 +104,24 @@ def chat_inputs(tokenizer, messages: list[dict], device) -> dict:
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
-                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                  on_text=None, loop=None, reuse: bool = False, engine: str = "loop") -> TurnResult:
-    """One turn. ``loop``: a :class:`DecodeLoop` to run on (its cache is kept; ``reuse`` keeps
-    the prefix it shares with this prompt). ``engine``: ``"loop"`` (default) or ``"generate"``
-    (transformers' ``model.generate`` with its dynamic cache: the path before the loop)."""
-    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
-    if engine == "generate" or seq2seq:
-        return _generate_turn_hf(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
+def _pad_kwargs(model, tokenizer) -> dict:
+    """``pad_token_id`` from the tokenizer when the model's generation config has none."""
+    if tokenizer is not None and getattr(model.generation_config, "pad_token_id", None) is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is not None:
+            return {"pad_token_id": pad}
+    return {}
+
+
+def chat_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
+              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+              on_text=None, loop=None, reuse: bool = False) -> TurnResult:
+    """One turn of ``inputs`` (:func:`chat_inputs`); ``on_text(delta)`` gets the answer's text as
+    it grows. ``loop``: a :class:`DecodeLoop` to run on (its cache is kept; ``reuse`` keeps the
+    prefix it shares with this prompt)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return _turn_on_generate(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
                                  temperature=temperature, top_p=top_p, seed=seed, on_text=on_text)
-    if engine != "loop":
-        raise ValueError(f"unknown engine {engine!r} (loop or generate)")
     from zipmoe.runtime.engine.loop import DecodeLoop
 
     rt = getattr(model, "zipmoe", None)
@@ -121,20 +129,6 @@ def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, 
     mask = inputs.get("attention_mask")
     if loop is None:
         loop = DecodeLoop(model, context=int(ids.shape[-1]) + int(max_new_tokens), batch=int(ids.shape[0]))
-    sampling: dict = {}
-    if greedy or (temperature is not None and temperature <= 0):
-        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        sampling["do_sample"] = True
-        if temperature is not None:
-            sampling["temperature"] = float(temperature)
-        if top_p is not None:
-            sampling["top_p"] = float(top_p)
-    extra = {}
-    if tokenizer is not None and getattr(model.generation_config, "pad_token_id", None) is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is not None:
-            extra["pad_token_id"] = pad
     streamer = _Streamer(tokenizer, on_text)
     streamer._prompt_seen = True
 
@@ -143,9 +137,9 @@ def generate_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, 
 
     before = rt.counters.snapshot() if rt is not None else None
     t0 = time.perf_counter()
-    with torch.no_grad():
-        res = loop.generate(ids, mask, max_new_tokens=int(max_new_tokens), seed=seed, reuse=reuse,
-                            on_token=on_token, generation_kwargs=extra, **sampling)
+    res = loop.generate(ids, mask, max_new_tokens=int(max_new_tokens), seed=seed, reuse=reuse, on_token=on_token,
+                        generation_kwargs=_pad_kwargs(model, tokenizer),
+                        **sampling_kwargs(greedy=greedy, temperature=temperature, top_p=top_p))
     streamer.end()
     t_end = time.perf_counter()
     if rt is not None:
@@ -184,32 +178,22 @@ def _add_counters(stats: dict, rt, before) -> None:
     })
 
 
-def _generate_turn_hf(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
+def _turn_on_generate(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
                       temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                       on_text=None) -> TurnResult:
-    """The turn on ``model.generate`` (transformers' loop and dynamic cache)."""
+    """The turn on ``model.generate`` (transformers' loop and dynamic cache): encoder-decoder
+    models, which have no decode loop."""
     rt = getattr(model, "zipmoe", None)
     if seed is not None:
         torch.manual_seed(seed)
-    gen_kw: dict = {"max_new_tokens": int(max_new_tokens)}
-    if greedy or (temperature is not None and temperature <= 0):
-        gen_kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        gen_kw["do_sample"] = True
-        if temperature is not None:
-            gen_kw["temperature"] = float(temperature)
-        if top_p is not None:
-            gen_kw["top_p"] = float(top_p)
-    if tokenizer is not None and getattr(model.generation_config, "pad_token_id", None) is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is not None:
-            gen_kw["pad_token_id"] = pad
+    gen_kw = {"max_new_tokens": int(max_new_tokens), **sampling_kwargs(greedy=greedy, temperature=temperature,
+                                                                        top_p=top_p), **_pad_kwargs(model, tokenizer)}
     streamer = _Streamer(tokenizer, on_text)
     before = rt.counters.snapshot() if rt is not None else None
     t0 = time.perf_counter()
     interrupted = False
     try:
-        with torch.no_grad():
+        with torch.inference_mode():
             model.generate(**inputs, streamer=streamer, **gen_kw)
     except KeyboardInterrupt:
         interrupted = True
