@@ -172,3 +172,32 @@ def test_warm_fills_the_full_pool_through_the_pipeline(tmp_path_factory):
         assert rt._inflight == 0
     finally:
         rt.close()
+
+
+def test_a_graphed_layer_is_accounted_as_the_host_path_accounts_it(tmp_path_factory):
+    """Runtime.layer_computed (what a CUDA-graphed sparse block calls) counts the same uses, hits,
+    prediction score and makespan entry as Fetcher.run over resident experts."""
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1, warm=True)
+    rt = model.zipmoe
+    try:
+        layer, experts = rt.sparse_layers[0], [0, 2, 3]
+        uids = [t.uid for e in experts for t in rt.expert_tensors[(layer, e)]]
+
+        def snapshot():
+            return dict(rt.counters.hits), [rt.cache.count.get(u, 0) for u in uids], rt.counters.layer_calls
+
+        rt.fetcher._predicted[layer] = [0, 1]
+        h0, c0, l0 = snapshot()
+        rt.run_layer(layer, experts, lambda e, w: None)
+        h1, c1, l1 = snapshot()
+        rt.fetcher._predicted[layer] = [0, 1]
+        rt.layer_computed(layer, experts, 0.0)
+        h2, c2, l2 = snapshot()
+        assert {k: h1[k] - h0[k] for k in h0} == {k: h2[k] - h1[k] for k in h0} and h1["full"] - h0["full"] == len(uids)
+        assert [b - a for a, b in zip(c0, c1)] == [b - a for a, b in zip(c1, c2)] == [1] * len(uids)
+        assert l1 - l0 == l2 - l1 == 1 and not rt.cache.pinned
+        assert rt.counters.prediction_by_layer[str(layer)] == [4, 6, 2]  # two scored predictions, alike
+    finally:
+        rt.close()

@@ -76,33 +76,44 @@ class Fetcher:
         self.decoder.close()
 
     # ------------------------------------------------------------------ the layer's lookup
-    def lookup(self, layer, experts: list) -> tuple[dict, dict]:
-        """Every chosen tensor used once: its count and hit state counted, pinned for the layer;
-        the prediction made for this layer scored. Returns ``(tensors, states)`` per expert."""
+    def lookup(self, layer, experts: list, pin: bool = True) -> tuple[dict, dict]:
+        """Every chosen tensor used once: its count and hit state counted, pinned for the layer
+        (``pin``); the prediction made for this layer scored. Returns ``(tensors, states)``."""
         cache, counters = self.cache, self.counters
+        touch, state_of, add_hit = cache.touch, cache.state_of, counters.add_hit
         tensors = {e: self.expert_tensors[(layer, e)] for e in experts}
         states = {}
         for e in experts:
             st = []
             for t in tensors[e]:
-                cache.touch(t.uid)
-                s = cache.state_of(t.uid)
-                counters.add_hit(s)
+                touch(t.uid)
+                s = state_of(t.uid)
+                add_hit(s)
                 st.append(s)
-                cache.pin(t.uid)
+                if pin:
+                    cache.pin(t.uid)
             states[e] = st
-        guess = self._predicted.pop(layer, None)
-        if guess is not None:
-            counters.add_prediction(layer, guess, experts)
+        self._score_prediction(layer, experts)
         return tensors, states
 
     def account_resident(self, layer, experts: list) -> None:
-        """A layer computed elsewhere (a CUDA graph) from resident tensors: the same lookup and
-        counts as :meth:`run`, nothing to fetch."""
-        try:
-            self.lookup(layer, experts)
-        finally:
-            self.cache.unpin_all()
+        """A layer computed elsewhere (a CUDA graph) from tensors resident in the full pool: the
+        uses, hits and prediction score :meth:`lookup` counts (nothing is fetched or admitted,
+        so nothing is pinned)."""
+        touch = self.cache.touch
+        n = 0
+        for e in experts:
+            for t in self.expert_tensors[(layer, e)]:
+                touch(t.uid)
+                n += 1
+        self.counters.add_hit("full", n)
+        self._score_prediction(layer, experts)
+
+    def _score_prediction(self, layer, experts: list) -> None:
+        if self._predicted:
+            guess = self._predicted.pop(layer, None)
+            if guess is not None:
+                self.counters.add_prediction(layer, guess, experts)
 
     def run(self, layer, experts: list, compute, predict=None) -> None:
         """Make the weights of ``experts`` (ascending ids) whole and call ``compute(e, weights)``.
