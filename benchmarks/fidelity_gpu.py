@@ -254,6 +254,10 @@ def main(argv=None) -> int:
     ap.add_argument("--before-site", default=None, help="a site folder with the code before the change: its `zipmoe chat` "
                     "runs the sampled-token check too (the reproduction)")
     ap.add_argument("--cli-tokens", type=int, default=128, help="tokens of the `zipmoe chat` sampled runs (0: skip them)")
+    ap.add_argument("--context", type=int, default=0, help="the loops' static cache length (0: what the steps need; chat's is 4096)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the reference and every configuration this many times (run-to-run)")
+    ap.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash", "efficient", "math"],
+                    help="restrict scaled_dot_product_attention to one backend (diagnosis)")
     args = ap.parse_args(argv)
 
     import zipmoe
@@ -269,9 +273,16 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(2026)
     prompt = torch.randint(3, cfg["vocab_size"], (1, args.prompt_tokens), generator=g)
     stream = torch.randint(3, cfg["vocab_size"], (args.steps,), generator=g).tolist()
-    context = args.prompt_tokens + max(args.steps, args.sample, 16) + 8
+    context = args.context or args.prompt_tokens + max(args.steps, args.sample, 16) + 8
+    if args.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[args.sdpa]
+        sdpa_kernel([backend]).__enter__()  # for the whole run
     dev = args.device
     doc: dict = {"preset": args.preset, "layers": args.layers, "codec": args.codec, "steps": args.steps,
+                 "context": context, "sdpa": args.sdpa, "repeat": args.repeat,
                  "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                  "torch": torch.__version__, "configs": []}
     import transformers
@@ -284,6 +295,12 @@ def main(argv=None) -> int:
     log(f"reference loaded, loop vs generate: {doc['loop_vs_generate']} ({time.time() - t:.0f} s)")
     want, _ = teacher_forced(ref, prompt, stream, context)
     want_sample = sampled(ref, prompt, args.sample, context)
+    for _ in range(args.repeat - 1):  # the reference against itself: is the device deterministic here?
+        again, _ = teacher_forced(ref, prompt, stream, context)
+        doc.setdefault("reference_repeat", []).append({**compare(want, again),
+                                                       "sampled_equal": sampled(ref, prompt, args.sample, context) == want_sample})
+    if doc.get("reference_repeat"):
+        log("reference against itself:", json.dumps(doc["reference_repeat"]))
     log(f"reference: {len(want)} steps, sampled {len(set(want_sample))} distinct of {len(want_sample)}")
 
     req = requirements(path, workers=4, device=dev)
@@ -295,6 +312,7 @@ def main(argv=None) -> int:
     if dev != "cuda":
         cases.append((0.5, "off", True))
     first_bad = None
+    cases = [c for c in cases for _ in range(args.repeat)]
     for frac, graphs, prefetch in cases:
         budget = req["budget_for"](frac)
         kw = {} if prefetch is None else {"prefetch": prefetch}
@@ -334,11 +352,13 @@ def main(argv=None) -> int:
         versions = {"after": None}
         if args.before_site:
             versions = {"before": args.before_site, **versions}
-        budgets = {f"{f:.2f}": req["budget_for"](f) for f in [float(x) for x in args.fractions.split(",")]}
+        budgets = {f"{f:.2f}" + (f"#{r + 1}" if args.repeat > 1 else ""): req["budget_for"](f)
+                   for f in [float(x) for x in args.fractions.split(",")] for r in range(args.repeat)}
         doc["chat_sampled"] = cli_sampling(path, budgets, versions, dev, args.cli_tokens, out_dir)
         log("chat sampled:", json.dumps({k: {kk: v[kk] for kk in ("all_agree", "first_difference")}
                                          for k, v in doc["chat_sampled"].items()}))
-    ok = all(r["differ"] == 0 and r["sampled_equal"] for r in doc["configs"]) and doc["loop_vs_generate"]["differ"] == 0
+    ok = all(r["differ"] == 0 and r["sampled_equal"] for r in doc["configs"] + doc.get("reference_repeat", []))
+    ok = ok and doc["loop_vs_generate"]["differ"] == 0
     ok = ok and all(v["all_agree"] for k, v in doc.get("chat_sampled", {}).items() if k == "after")
     doc["all_identical"] = ok
     (out_dir / "fidelity.json").write_text(json.dumps(doc, indent=2))
