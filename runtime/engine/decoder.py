@@ -20,7 +20,8 @@ from __future__ import annotations
 import threading
 import time
 
-from zipmoe.runtime.engine.decode import _sm_of, decode_e_chunk, decode_exp_into, decode_into, decode_sm_into, u16_view
+from zipmoe.codecs.checksum import verify_chunk
+from zipmoe.runtime.engine.decode import decode_e_chunk, decode_exp_into, decode_into, decode_sm_into, u16_view
 from zipmoe.runtime.engine.fetch import _Cancelled, _Fetch, fan_out, report_failure
 from zipmoe.runtime.engine.workers import PriorityWorkers
 
@@ -122,8 +123,8 @@ class Decoder:
         c = seg.e_chunks[k]
         sm = f.sm_parts[i]
         t0 = time.perf_counter()
-        if verify_sm:
-            _sm_of(seg, sm, None, None, True)  # raw (split tensors only): the check, no copy
+        if verify_sm:  # split tensors store SM raw: the check is all there is to do
+            verify_chunk(seg.sm_chunk, sm, seg.name, len(seg.e_chunks))
         lo, n = c.raw_offset, c.raw_length
         dst = seg.dst + lo
         if f.exp_host is not None:  # the device merges
