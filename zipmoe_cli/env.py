@@ -91,11 +91,9 @@ def deepspeed_env(environ: Mapping[str, str] | None = None) -> dict:
     ``offload`` from ``ZIPMOE_BENCH_DEEPSPEED_OFFLOAD`` (``nvme``, ``cpu``; ``auto`` or unset:
     None), ``build_timeout_s`` from ``ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT`` (seconds above 0, or
     None), ``load_in_budget`` from ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET`` (0 or 1, or None)."""
-    offload = _get(environ, DEEPSPEED_OFFLOAD) or None
-    if offload == "auto":
-        offload = None
-    if offload is not None and offload not in ("nvme", "cpu"):
-        raise UsageError(f"{DEEPSPEED_OFFLOAD}={offload!r}: use nvme or cpu (or leave it unset)")
+    from zipmoe.runtime.bench.deepspeed_engine import check_offload  # torch-free
+
+    offload = check_offload(_get(environ, DEEPSPEED_OFFLOAD) or None, f"{DEEPSPEED_OFFLOAD}=")
     timeout = _get(environ, DEEPSPEED_BUILD_TIMEOUT) or None
     if timeout is not None:
         try:

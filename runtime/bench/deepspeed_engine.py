@@ -113,13 +113,13 @@ BUILD_TIMEOUT_S = 1800.0
 OFFLOADS = ("nvme", "cpu")
 
 
-def check_offload(value, what: str = "--deepspeed-offload") -> str | None:
+def check_offload(value, what: str = "--deepspeed-offload ") -> str | None:
     """Where the parameters go as asked: ``"nvme"``, ``"cpu"``, or None (``"auto"``, unset: NVMe
     where the async-I/O op can be built, else cpu); anything else is one :class:`UsageError` line."""
     if value is None or value == "" or value == "auto":
         return None
     if value not in OFFLOADS:
-        raise UsageError(f"{what} {value!r}: use nvme or cpu (or leave it unset)")
+        raise UsageError(f"{what}{value!r}: use nvme or cpu, or auto (or leave it unset)")
     return value
 
 
