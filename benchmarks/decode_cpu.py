@@ -100,7 +100,7 @@ def resident(args) -> dict:
 def chat(args) -> dict:
     import torch
 
-    from zipmoe.runtime.engine.turn import _turn_on_generate, chat_inputs, chat_turn
+    from zipmoe.runtime.engine.turn import turn_on_generate, chat_inputs, chat_turn
     from zipmoe.runtime.engine.loop import DecodeLoop
 
     out = {}
@@ -115,7 +115,7 @@ def chat(args) -> dict:
                 inputs = chat_inputs(tok, history, rt.device)
                 with torch.inference_mode():
                     if loop is None:  # before: model.generate on the whole conversation (the encoder-decoder path)
-                        res = _turn_on_generate(model, tok, inputs, max_new_tokens=args.tokens, greedy=True)
+                        res = turn_on_generate(model, tok, inputs, max_new_tokens=args.tokens, greedy=True)
                     else:
                         res = chat_turn(model, tok, inputs, max_new_tokens=args.tokens, greedy=True, loop=loop, reuse=True)
                 history.append({"role": "assistant", "content": res.text})

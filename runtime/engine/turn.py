@@ -31,7 +31,7 @@ import torch
 from zipmoe.runtime.engine.counters import delta
 from zipmoe.runtime.engine.sampling import sampling_kwargs
 
-__all__ = ["TurnResult", "chat_inputs", "chat_turn"]
+__all__ = ["TurnResult", "chat_inputs", "chat_turn", "turn_on_generate"]
 
 
 @dataclass
@@ -120,8 +120,8 @@ def chat_turn(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, gree
     it grows. ``loop``: a :class:`DecodeLoop` to run on (its cache is kept; ``reuse`` keeps the
     prefix it shares with this prompt)."""
     if getattr(model.config, "is_encoder_decoder", False):
-        return _turn_on_generate(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
-                                 temperature=temperature, top_p=top_p, seed=seed, on_text=on_text)
+        return turn_on_generate(model, tokenizer, inputs, max_new_tokens=max_new_tokens, greedy=greedy,
+                                temperature=temperature, top_p=top_p, seed=seed, on_text=on_text)
     from zipmoe.runtime.engine.loop import DecodeLoop
 
     rt = getattr(model, "zipmoe", None)
@@ -178,11 +178,11 @@ def _add_counters(stats: dict, rt, before) -> None:
     })
 
 
-def _turn_on_generate(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
-                      temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                      on_text=None) -> TurnResult:
-    """The turn on ``model.generate`` (transformers' loop and dynamic cache): encoder-decoder
-    models, which have no decode loop."""
+def turn_on_generate(model, tokenizer, inputs: dict, *, max_new_tokens: int = 256, greedy: bool = False,
+                     temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                     on_text=None) -> TurnResult:
+    """The turn on ``model.generate`` (transformers' loop and dynamic cache): what encoder-decoder
+    models, which have no decode loop, run (and benchmarks/decode_cpu.py's "before" engine)."""
     rt = getattr(model, "zipmoe", None)
     if seed is not None:
         torch.manual_seed(seed)
