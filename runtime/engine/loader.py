@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from zipmoe.errors import ContainerError, ModelError, UsageError
 from zipmoe import machine

@@ -23,7 +23,6 @@ per position × the dtype's bytes).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from zipmoe.errors import BudgetError

@@ -22,7 +22,6 @@ import time
 import numpy as np
 
 from zipmoe.errors import ContainerError
-from zipmoe.runtime.engine.settings import DEFAULT_READERS  # noqa: F401  (reader threads: queue depth)
 
 ALIGN = 4096
 _REUSE_SLACK_MIN = 2 * ALIGN  # so that a reused buffer rounded up to pages still fits (see ReadBuffers.get)
