@@ -96,7 +96,7 @@ def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int,
     pinned staging ring. ``scratch``: the workers' decode scratch and, on CUDA, the one device
     buffer the staged bytes land in before the device merge (allocator-rounded) and the ring's
     page rounding."""
-    from zipmoe.runtime.engine.staging import PAGE, CopyStream, cuda_block_bytes  # noqa: F401
+    from zipmoe.runtime.engine.staging import PAGE, CopyStream, cuda_block_bytes
 
     inflight, slot = [0], 0
     for ts in expert_tensors.values():

@@ -33,29 +33,15 @@ query see them) and prefills only the rest. At least one token is always fed, so
 the cache holds entirely recomputes its last token. A prompt plus answer that does not fit the
 cache raises :class:`ContextFull` (a :class:`zipmoe.errors.UsageError`: one line for the user).
 
-The interface to the CUDA graphs (``runtime/engine/graphs.py``, by the CUDA side):
-
-- ``graphs.supported(model, batch: int) -> bool``: whether a graphed step exists for this model
-  on this device at this batch size. Never raises.
-- ``graphs.GraphedStep(model, cache, batch=batch)``: built once per loop after the cache is
-  allocated (``cache`` is this loop's ``StaticCache``, its tensors made once and never
-  reallocated; crops and resets move its device-side ``cumulative_length`` in place).
-  ``step(input_ids, cache_position, attention_mask=None) -> logits`` runs one new token per
-  row: ``input_ids`` ``[batch, 1]`` int64 on the model's device, ``cache_position`` a 1-element
-  int64 tensor, the position in the cache the new token goes to (``loop.length``), and
-  ``attention_mask`` None (the loop passes graphs only steps without padding; a padded batch's
-  steps run eagerly, since their position ids come from the mask as ``generate`` makes them).
-  It returns the logits of the new position (``[batch, vocab]`` or ``[batch, 1, vocab]``),
-  ``torch.equal`` to the eager :meth:`DecodeLoop.forward`, with the cache updated in place by
-  one position, as the eager forward updates it.
-- The loop uses it for :meth:`step` only (prefill stays eager), when ``graphs`` is ``True`` or
-  ``"auto"``, the device is CUDA and ``supported`` says yes; ``graphs=True`` where it is not
-  available raises a UsageError, ``"auto"`` falls back to the eager forward silently, and
-  ``loop.graphed`` tells which one runs. Without ``graphs.py`` everything works eagerly.
-
-(transformers 5 has no ``cache_position`` argument any more: the static cache keeps its own
-length, so the eager :meth:`forward` takes position ids and the mask; ``cache_position`` is
-only what the graphed step is told about where the token goes.)
+The CUDA graphs (``runtime/engine/graphs.py``): every step goes through
+:func:`zipmoe.runtime.engine.step.forward` with the mask in its static ``[batch, context]`` form
+(:func:`~zipmoe.runtime.engine.step.static_mask`), eager or graphed alike; on CUDA, where
+``graphs.why_not(model, batch)`` finds nothing against it, a ``graphs.GraphedStep`` built once
+per loop over this loop's cache replays that very call (``step(ids [batch, 1], position_ids
+[batch, 1], mask) -> [batch, vocab]``, padded rows too). ``graphs``: ``"auto"`` (where
+supported, else eager, silently), ``"on"`` (a UsageError where not supported), ``"off"``;
+``True``/``False`` mean on/off; None (the default) takes the runtime's
+``EngineSettings.graphs``. ``loop.graphed`` tells which one runs. The prefill stays eager.
 """
 
 from __future__ import annotations
@@ -98,8 +84,8 @@ class DecodeLoop:
 
     ``context``: positions the cache holds per row (clamped to the model's
     ``max_position_embeddings``; ``clamped`` says so). ``batch``: rows (fixed for the loop's
-    life; a prompt of fewer rows is refused). ``graphs``: ``"auto"`` | ``True`` | ``False``,
-    see the module docstring.
+    life; a prompt of fewer rows is refused). ``graphs``: ``"auto"`` | ``"on"`` | ``"off"`` | None
+    (the runtime's setting), see the module docstring.
     """
 
     def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None) -> None:
