@@ -218,7 +218,7 @@ class GraphedStep:
         self.stream = torch.cuda.Stream(device=self.rt.device)
         self.pool = None
         self.s_ids = self.s_pos = self.s_mask = self.s_logits = None
-        self.ctx = int(cache.layers[0].max_cache_len)
+        self.ctx = max(int(layer.max_cache_len) for layer in cache.layers)  # the cache's length (a sliding layer holds less)
         # batch 1's sparse graphs: static weight buffers shared by every layer of one kind
         self._w: dict = {}
         self._ids_host = None
