@@ -63,7 +63,10 @@ def _sm_of(seg, sm, dst, ctx, verify_sm: bool):
 
 
 def u16_view(t) -> np.ndarray:
-    """A contiguous bf16 torch tensor's bits as a flat uint16 array (no copy): what decoders write."""
+    """A contiguous bf16 torch tensor's bits as a flat uint16 array (no copy): what decoders write.
+    A numpy array (a staging slot's bf16 part, already uint16) is returned flat as it is."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1)
     import torch
 
     return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)

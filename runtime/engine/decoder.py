@@ -36,6 +36,7 @@ class Decoder:
         self.pool = PriorityWorkers(self.workers, "zipmoe-decode", on_error=report_failure)
         self.timer = timer if timer is not None else (lambda stage, seconds: None)
         self._local = threading.local()
+        self._jobs: dict = {}  # uid -> (tensor, its chunk jobs when split, else None): worked out once per tensor
 
     def check(self) -> None:
         self.pool.check()
@@ -71,10 +72,15 @@ class Decoder:
         jobs running unwatched while the layer gives their bytes back; and a reader goes back to
         reading after one queue operation.
         """
-        if not self.split(f):
+        t = f.tensor
+        memo = self._jobs.get(t.uid)
+        if memo is None or memo[0] is not t:
+            memo = self._jobs[t.uid] = (t, [(i, k) for i, seg in enumerate(t.segments) for k in range(len(seg.e_chunks))]
+                                        if self.split(f) else None)
+        jobs = memo[1]
+        if jobs is None:
             self.pool.submit(rank, self._whole, f, verify_e, verify_sm)
             return
-        jobs = [(i, k) for i, seg in enumerate(f.tensor.segments) for k in range(len(seg.e_chunks))]
         self.pool.submit(rank, self._fan_out, f, jobs, rank, verify_e, verify_sm)
 
     # ------------------------------------------------------------------ jobs (worker threads)

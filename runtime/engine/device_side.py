@@ -31,6 +31,7 @@ class DeviceSide:
     def __init__(self, device, compute_dtype, *, ring=None, device_merge: bool = False, slotted: bool = False,
                  counters=None) -> None:
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.compute_dtype = compute_dtype
         self.slotted = bool(slotted)
         self.counters = counters
@@ -48,12 +49,13 @@ class DeviceSide:
         if not self.staged:
             return 0
         g.n = self.copies.layout([f.tensor for f in fetches])[1]
-        return cuda_block_bytes(2 * g.n) if self.device.type == "cuda" else 2 * g.n
+        return cuda_block_bytes(2 * g.n) if self.cuda else 2 * g.n
 
     def place(self, g, fetches: list) -> None:
-        """Where the group's tensors are decoded to: staged, views of its slot and its device
-        buffer (the workers write ``exp_host`` / ``sm_host`` for a device merge, ``host`` for a
-        host merge); else one tensor each on the device (``out``)."""
+        """Where the group's tensors are decoded to: staged, views of its slot (the workers
+        write ``exp_host`` / ``sm_host`` for a device merge, ``host`` for a host merge; the device
+        buffer and its views ``out`` come with the copy, :meth:`stage`); else one tensor each on
+        the device (``out``)."""
         if not self.staged:
             for f in fetches:
                 f.out = torch.empty(f.tensor.shape, dtype=torch.bfloat16, device=self.device)
@@ -61,20 +63,20 @@ class DeviceSide:
         cs = self.copies
         ring = cs.ring
         offs, n = cs.layout([f.tensor for f in fetches])
+        g.offs = offs
         waits = ring.waits
         g.slot = ring.acquire()
         if self.counters is not None:
             self.counters.staging_waits += ring.waits - waits
-        g.dev = cs.alloc_out(n)
-        host = ring.view(g.slot, 2 * n)
+        host = ring.view_np(g.slot, 2 * n)  # numpy views of the slot: no torch call per tensor
+        merge = self.device_merge
         for f, o in zip(fetches, offs):
-            t = f.tensor
-            f.out = g.dev[o : o + t.numel].view(t.shape)
-            if self.device_merge:
-                f.exp_host = host[o : o + t.numel].numpy()
-                f.sm_host = host[n + o : n + o + t.numel].numpy()
+            k = f.tensor.numel
+            if merge:
+                f.exp_host = host[o : o + k]
+                f.sm_host = host[n + o : n + o + k]
             else:
-                f.host = host[2 * o : 2 * (o + t.numel)].view(torch.bfloat16).view(t.shape)
+                f.host = host[2 * o : 2 * (o + k)].view(np.uint16)  # the bf16 bits, flat
 
     def release(self, g) -> None:
         """A group given back: its slot, if never staged (an error, a drop: nothing reads it)."""
@@ -90,7 +92,14 @@ class DeviceSide:
         if g.slot is None:
             return
         t0 = time.perf_counter()
-        ev = self.copies.stage(g.slot, g.n, g.dev)
+        # the group's one device buffer is taken here, with the copy (one switch to the copy
+        # stream for both; its bytes were counted when the group was issued): the tensors are
+        # views of it
+        dev, ev = self.copies.stage_new(g.slot, g.n)
+        g.dev = dev
+        for f, o in zip((f for f in g.fetches if f is not None), g.offs):
+            rows, cols = f.tensor.shape
+            f.out = dev.as_strided((rows, cols), (cols, 1), o)  # = dev[o : o + numel].view(shape), one call
         self.copies.ring.release(g.slot, ev)
         g.slot = None
         g.event = ev
@@ -124,7 +133,9 @@ class DeviceSide:
         """What the cache may keep of a computed fetch, per pool: ``{pool: (bytes, data)}`` (the
         lower pools' data as a callable, copied only if a pool takes it)."""
         t = f.tensor
-        forms = {"full": (t.compute_bytes, f.w if self.slotted else own_device(f.w))}
+        # the full pool's data: with slots the pool copies it into a slot; else the tensor itself,
+        # or its own copy when it is a view of a group's buffer (made only if the pool takes it)
+        forms = {"full": (t.compute_bytes, f.w if self.slotted else (lambda w=f.w: own_device(w)))}
         if f.e_parts is not None and f.sm_parts is not None:
             e_parts, sm_parts = f.e_parts, f.sm_parts
             forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))

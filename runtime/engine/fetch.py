@@ -99,7 +99,7 @@ class _Group:
     """The fetches of one expert: one window slot, its working bytes, done when all report."""
 
     __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
-                 "dropped", "released", "slot", "n", "dev", "event")
+                 "dropped", "released", "slot", "n", "dev", "event", "offs")
 
     def __init__(self, layer, expert, prefetch: bool) -> None:
         self.layer = layer
@@ -113,11 +113,13 @@ class _Group:
         self.dropped = False
         self.released = False
         # the device side (engine/staging.py): its staging ring slot until staged, the elements of
-        # its buffers, its device buffer (the tensors' ``out`` are views of it), the copy's event
+        # its buffers, its device buffer (taken when staged; the tensors' ``out`` are views of
+        # it), the copy's event
         self.slot = None
         self.n = 0
         self.dev = None
         self.event = None
+        self.offs = ()  # each fetch's element offset in the buffers (device_side.place)
 
 
 PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues

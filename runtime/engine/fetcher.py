@@ -122,6 +122,9 @@ class Fetcher:
         choose)``: those are prefetched (module :mod:`.prefetch`) once this layer's own fetches
         are all issued, at a lower priority."""
         cache = self.cache
+        ts = self.counters.time_s
+        start = time.perf_counter()
+        busy = ts["compute"] + ts["wait"]  # (only this thread adds to these two)
         try:
             tensors, states = self.lookup(layer, experts)
             if predict is None and not self._pf and not self._pf_pending and \
@@ -135,6 +138,8 @@ class Fetcher:
                 self._run(layer, experts, tensors, states, compute, predict)
         finally:
             cache.unpin_all()
+            # the serving thread's own work in this layer: all of it but compute and waits
+            self.counters.add_time("host", max(0.0, time.perf_counter() - start - (ts["compute"] + ts["wait"] - busy)))
 
     def fetch_whole(self, layer, expert) -> list:
         """The compute tensors of one expert, made whole through the pipeline without counting a

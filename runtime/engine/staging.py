@@ -58,7 +58,8 @@ class StagingRing:
         n = max(1, int(slots))
         self.nbytes = -(-(n * self.slot_bytes) // PAGE) * PAGE
         self._mm = mmap.mmap(-1, self.nbytes)
-        self.host = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
+        self.host_np = np.frombuffer(self._mm, dtype=np.uint8)  # the same bytes as numpy (cheap views)
+        self.host = torch.from_numpy(self.host_np)
         self.pinned = False
         self.pin_error = None
         if pin:
@@ -91,6 +92,11 @@ class StagingRing:
     def view(self, i: int, nbytes: int) -> torch.Tensor:
         lo = i * self.slot_bytes
         return self.host[lo : lo + nbytes]
+
+    def view_np(self, i: int, nbytes: int) -> np.ndarray:
+        """:meth:`view` as a numpy array (what the decode workers write: slicing it costs no torch call)."""
+        lo = i * self.slot_bytes
+        return self.host_np[lo : lo + nbytes]
 
     def release(self, i: int, event=None) -> None:
         """Give slot ``i`` back; ``event``: the copy that reads it (None: nothing reads it)."""
@@ -140,6 +146,27 @@ class CopyStream:
         with torch.cuda.stream(self.stream):
             return torch.empty(n, dtype=torch.bfloat16, device=self.device)
 
+    def stage_new(self, slot: int, n: int):
+        """:meth:`alloc_out` and :meth:`stage` under one switch to the copy stream (a stream
+        switch costs the serving thread more than the copy's launch): returns ``(out, event)``."""
+        if self.stream is None:
+            out = self.alloc_out(n)
+            return out, self.stage(slot, n, out)
+        host = self.ring.view(slot, 2 * n)
+        with torch.cuda.stream(self.stream):  # (also makes the stream's device the current one)
+            out = torch.empty(n, dtype=torch.bfloat16, device=self.device)
+            if self.device_merge:
+                if self._dev_in is None or self._dev_in.numel() < 2 * n:
+                    self._dev_in = torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device)
+                d = self._dev_in[: 2 * n]
+                d.copy_(host, non_blocking=True)
+                _merge_on_current_device()(d[:n], d[n:], out)
+            else:
+                out.copy_(host.view(torch.bfloat16), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return out, ev
+
     def stage(self, slot: int, n: int, out: torch.Tensor):
         """Queue the copy of slot ``slot`` (its first ``2n`` bytes) and, with the device merge,
         the merge into ``out``; returns the event the compute stream waits on (None on the CPU)."""
@@ -164,3 +191,23 @@ class CopyStream:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return ev
+
+
+_MERGE = None
+
+
+def _merge_on_current_device():
+    """The merge for CUDA tensors on the current device: Triton's kernel launched directly
+    (``kernels.merge`` checks the devices and switches to theirs first, which the copy stream's
+    context has done already: same kernel, same bits), or ``kernels.merge`` without Triton."""
+    global _MERGE
+    if _MERGE is None:
+        from zipmoe import kernels
+
+        if kernels.triton_available():
+            from zipmoe.kernels.triton_merge import merge_triton
+
+            _MERGE = merge_triton
+        else:  # pragma: no cover - CUDA without Triton
+            _MERGE = kernels.merge
+    return _MERGE

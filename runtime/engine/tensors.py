@@ -38,6 +38,17 @@ class ExpertTensor:
     shape: tuple[int, int]
     segments: list[Segment] = field(default_factory=list)
     compute_itemsize: int = 2  # bytes per value of the tensor the expert computes with (bf16: 2, fp32: 4)
+    # what the fetch path asks of this tensor on every fetch (byte sizes, file ranges), worked out
+    # once: keyed by what it is derived from (the segments' count and the compute itemsize), so a
+    # tensor still being built (segments appended) or changed is never answered from a stale entry
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _memo_get(self, key):
+        m = self._memo
+        if m.get("_key") != (len(self.segments), self.compute_itemsize):
+            m.clear()
+            m["_key"] = (len(self.segments), self.compute_itemsize)
+        return m.get(key)
 
     @property
     def numel(self) -> int:
@@ -54,29 +65,45 @@ class ExpertTensor:
 
     @property
     def e_bytes(self) -> int:
-        return sum(s.e_range[1] for s in self.segments)
+        v = self._memo_get("e")
+        if v is None:
+            v = self._memo["e"] = sum(s.e_range[1] for s in self.segments)
+        return v
 
     @property
     def sm_bytes(self) -> int:
-        return sum(s.sm_range[1] for s in self.segments)
+        v = self._memo_get("sm")
+        if v is None:
+            v = self._memo["sm"] = sum(s.sm_range[1] for s in self.segments)
+        return v
 
     @property
     def stored_bytes(self) -> int:
         return self.e_bytes + self.sm_bytes
 
     def ranges(self, need_e: bool, need_sm: bool) -> list[tuple[int, int]]:
-        rs = []
-        for s in self.segments:
-            if need_e:
-                rs.append(s.e_range)
-            if need_sm:
-                rs.append(s.sm_range)
-        return _coalesce(rs)
+        """The coalesced file ranges of the E and/or SM chunks (a list shared between calls:
+        read it, do not change it)."""
+        key = ("ranges", bool(need_e), bool(need_sm))
+        v = self._memo_get(key)
+        if v is None:
+            rs = []
+            for s in self.segments:
+                if need_e:
+                    rs.append(s.e_range)
+                if need_sm:
+                    rs.append(s.sm_range)
+            v = self._memo[key] = _coalesce(rs)
+        return v
 
     def staging_bytes(self) -> int:
         """Upper bound of the aligned read buffers one fetch of this tensor needs (a reused
         buffer may be up to :func:`reuse_slack` larger than the read)."""
-        return sum(ln + 2 * ALIGN + reuse_slack(ln + 2 * ALIGN) for _, ln in self.ranges(True, True))
+        v = self._memo_get("staging")
+        if v is None:
+            v = self._memo["staging"] = sum(ln + 2 * ALIGN + reuse_slack(ln + 2 * ALIGN)
+                                            for _, ln in self.ranges(True, True))
+        return v
 
     def label(self) -> str:
         return ", ".join(s.name for s in self.segments)

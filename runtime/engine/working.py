@@ -43,11 +43,15 @@ class WorkingSet:
         self.inflight = 0
         self._lock = threading.Lock()
         self._on_change = on_change
+        self._bytes: dict = {}  # uid -> (tensor, bytes_of): the same on every fetch of a tensor
 
     def bytes_of(self, t) -> int:
         """A fetch's own working bytes (staged: its expert's device buffer and staging slot are
         counted once per expert, by the group and by the ring)."""
-        return working_bytes_of(t) - (t.full_bytes if self.staged else 0)
+        memo = self._bytes.get(t.uid)
+        if memo is None or memo[0] is not t:
+            memo = self._bytes[t.uid] = (t, working_bytes_of(t) - (t.full_bytes if self.staged else 0))
+        return memo[1]
 
     def _idle_room(self) -> int:
         return self.window * self.expert_working - self.ring_bytes - self.inflight
