@@ -532,3 +532,52 @@ def test_bench_context_follows_the_run():
     cases = [{"input_ids": [[1] * 20], "new_tokens": 32}, {"input_ids": [[1] * 20] * 4, "new_tokens": 512}]
     assert run_context(cases) == 576  # 20 + 512 + 1 -> 576
     assert run_context([{"input_ids": [[1] * 10], "new_tokens": 3}]) == 64
+
+
+def test_llamacpp_engine_feeds_the_forced_stream():
+    """The llama.cpp engine under teacher forcing evaluates each step's forced token (and keeps
+    its own argmax for the agreement figure); sampling it cannot do, and its record says so."""
+    from zipmoe.runtime.bench.llamacpp_engine import LlamaCppModel
+    from zipmoe.runtime.bench.worker import RssSampler
+
+    class FakeLlama:
+        def __init__(self):
+            self.fed = []
+
+        def reset(self):
+            self.fed = []
+
+        def eval(self, toks):
+            self.fed += list(toks)
+
+    m = LlamaCppModel.__new__(LlamaCppModel)
+    m.llm = FakeLlama()
+    m._greedy_next = lambda: 7  # a model stuck on one token: greedy would loop
+    sampler = RssSampler()
+    try:
+        case = {"input_ids": [[0, 3, 4]], "attention_mask": [[0, 1, 1]], "new_tokens": 4, "workload": "corpus",
+                "forced": [[10, 11, 12, 13]]}
+        rec = m.bench_run_case(case, {}, sampler, "warm", lambda: {})
+        assert rec["tokens"] == [[10, 11, 12, 13]] and rec["argmax_tokens"] == [[7, 7, 7, 7]]
+        assert m.llm.fed == [3, 4, 10, 11, 12] and rec["workload"] == "corpus" and rec["cycle"] is None
+        rec = m.bench_run_case(dict(case, workload="sample", forced=None, new_tokens=12), {}, sampler, "warm", lambda: {})
+        assert rec["workload"] == "greedy (sampling not supported)" and rec["cycle"] == 1
+    finally:
+        sampler.stop()
+
+
+def test_token_check_compares_the_argmax_under_teacher_forcing():
+    from zipmoe.runtime.bench import report
+
+    base = {"batch": 1, "new_tokens": 3, "case": "b1-n3", "workload": "corpus", "tokens": [[5, 6, 7]]}
+    runs = [dict(base, engine="zipmoe", budget=1, argmax_tokens=[[1, 2, 3]]),
+            dict(base, engine="accelerate", budget=1, argmax_tokens=[[1, 2, 4]])]
+    tc = report.token_check(runs)
+    assert not tc["same"] and tc["mismatches"][0]["first_difference_at"] == 2
+    assert tc["compared_on"] == "argmax under teacher forcing"
+    runs[1]["argmax_tokens"] = [[1, 2, 3]]
+    assert report.token_check(runs)["same"]
+    # runs of another workload are another case: not compared with these, and summarised apart
+    runs.append(dict(base, engine="zipmoe", budget=1, workload="greedy", tokens=[[9, 9, 9]]))
+    assert report.token_check(runs)["compared"] == 1
+    assert len(report.summarize(runs, None)) == 3

@@ -38,8 +38,8 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     root = tiny_container
     out = root / "out.json"
     argv = ["bench", str(root / "tiny.zmoe"), "--baseline", "accelerate", "--budget", "2M",
-            "--batch", "2", "--new-tokens", "3", "--runs", "1", "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1",
-            "--source", str(root / "tiny"), "--json", str(out)]
+            "--batch", "2", "--new-tokens", "6", "--runs", "1", "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1",
+            "--source", str(root / "tiny"), "--json", str(out), "--workload", "corpus"]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr()
@@ -50,9 +50,20 @@ def test_bench_end_to_end_cpu(tiny_container, capsys):
     assert doc["token_check"]["same"], doc["token_check"]
     assert "same greedy tokens" in err.out
     z = next(r for r in doc["summary"] if r["engine"] == "zipmoe")
-    assert z["generated"] == 3 and z["tpot_s"]["median"] > 0 and z["ttft_s"]["median"] > 0
+    assert z["generated"] == 6 and z["tpot_s"]["median"] > 0 and z["ttft_s"]["median"] > 0
     run = next(r for d in doc["results"] if d["engine"] == "zipmoe" and d.get("ok") for r in d["runs"])
     assert sum(run["counters"]["hits"].values()) > 0 and len(run["tokens"]) == 2
+    # the corpus workload: every engine decoded the same teacher-forced stream (hashed word ids:
+    # this model has no tokenizer), compared on the model's argmax at each forced step
+    acc = next(r for d in doc["results"] if d["engine"] == "accelerate" and d.get("ok") for r in d["runs"])
+    assert doc["prompts"]["workload"] == "corpus" and "hashed word ids" in doc["prompts"]["ids"]
+    assert run["workload"] == acc["workload"] == "corpus" and run["tokens"] == acc["tokens"]
+    assert run["argmax_tokens"] == acc["argmax_tokens"] and doc["token_check"]["compared_on"] == "argmax under teacher forcing"
+    assert run["distinct_tokens"] >= 6 and run["cycle"] is None and acc["distinct_tokens"] == run["distinct_tokens"]
+    assert run["distinct_experts"] > 0 and run["cache_capacity_experts"] >= 0 and run["diagnostics_source"]
+    assert run["hit_rate_first_quarter"] is not None and run["hit_rate_last_quarter"] is not None
+    assert run["belady_hit_rate"] is not None and "belady_hit_rate" not in acc
+    assert "MIN" in err.out and "distinct" in err.out
     assert run["bytes_read_engine"] is not None
     # no --context: the run's own length (prompt + new tokens, rounded up to 64), not 4096
     assert run["decode_loop"] and run["context"] % 64 == 0 and run["context"] <= 256 and run["stop"] == "max_new_tokens"

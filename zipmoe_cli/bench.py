@@ -62,10 +62,19 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     for res in doc.get("results", []):
         if res.get("budget_broken"):
             notes.append(f"{res['engine']} @ {format_size(res['budget']) if res.get('budget') else 'none'} broke the budget: {res['budget_broken']}")
+    runs = [r for res in doc.get("results", []) for r in res.get("runs", [])]
+    wl = sorted({str(r.get("workload") or "greedy") for r in runs})
+    if wl:
+        notes.append("workload: " + ", ".join(wl) + (" (teacher-forced text: runtime/data/corpus.txt or --prompts)" if "corpus" in wl else ""))
+    if any(r.get("belady_hit_rate") is not None for r in runs):
+        notes.append("distinct tok: distinct ids over all rows (↻p: the tokens cycle with period p); experts: distinct (layer, expert) "
+                     "pairs of the decode steps; hit ¼: hits in any pool over the first → last quarter of the decode steps; "
+                     "MIN: Belady's optimum at the same capacity in experts (≤: mixed pools, an upper bound)")
     if any(r.get("stopped_by_time_limit") for r in doc.get("summary", [])):
         notes.append("* stopped by --time-limit: fewer tokens than asked (the comparison is per token)")
+    notes += bench_report.cycle_warnings(runs)
     for n in notes:
-        con.print(f"  {n}", style="dim" if not n.startswith("tokens DIFFER") else "bold red", markup=False)
+        con.print(f"  {n}", style="bold red" if n.startswith(("tokens DIFFER", "WARNING")) else "dim", markup=False)
     if plot_path is not None:
         bench_report.plot(doc.get("summary", []), str(plot_path))
         con.print(f"  plot: {plot_path}")
@@ -86,7 +95,10 @@ def bench(
     budget: List[str] = typer.Option([], "--budget", help="Memory budget, e.g. 8G (repeatable)."),
     batch: str = typer.Option("1", "--batch", help="Batch sizes, comma separated, e.g. 1,4,16."),
     new_tokens: str = typer.Option("32", "--new-tokens", help="New tokens per run, comma separated, e.g. 32,128."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line (or JSON lines with 'prompt')."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line (or JSON lines with 'prompt'); with --workload corpus the texts to teacher-force."),
+    workload: str = typer.Option("corpus", "--workload", metavar="corpus|sample|greedy", help="What every engine decodes: corpus (teacher-forced English text, the default), sample (--temperature sampling, --seed) or greedy (argmax: a random-weight model loops)."),
+    seed: int = typer.Option(0, "--seed", help="The sample workload's seed (torch.manual_seed before every run)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="The sample workload's temperature."),
     runs: int = typer.Option(3, "--runs", help="Measured runs per engine, budget and case (median, min, max)."),
     cold: bool = typer.Option(True, "--cold/--warm", help="Drop the page cache before every run (default) or warm it with a first run."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `zipmoe plan` for the zipmoe engine."),
@@ -156,6 +168,11 @@ def bench(
         raise UsageError("--context must be at least 2 tokens")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
+    from zipmoe.runtime.plan.workload import check_workload
+
+    check_workload(workload)
+    if not temperature > 0:
+        raise UsageError(f"--temperature must be above 0, got {temperature:g} (use --workload greedy for argmax)")
     if min_tokens < 1:
         raise UsageError(f"--min-tokens must be at least 1, got {min_tokens}")
     if threads < 0:
@@ -180,7 +197,7 @@ def bench(
     cfg = bench_run.BenchConfig(
         container=file, engines=engines, budgets=[parse_size(b) for b in budget],
         batches=bench_run.parse_int_list(batch, "--batch"), new_tokens=bench_run.parse_int_list(new_tokens, "--new-tokens"),
-        prompts_file=prompts, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
+        prompts_file=prompts, workload=workload, sample_seed=seed, temperature=temperature, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,

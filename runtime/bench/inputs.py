@@ -2,7 +2,10 @@
 
 * the prompts (:data:`DEFAULT_PROMPTS`, or ``--prompts FILE``: plain lines or JSON lines) and
   their token ids, tokenised here so that every engine gets exactly the same ids, left padded
-  into one case per (batch, new tokens);
+  into one case per (batch, new tokens); with the ``corpus`` workload (the default,
+  runtime/plan/workload.py) each row is a passage of the bundled corpus (or a ``--prompts``
+  line) instead: its first tokens are the prompt and the next ``new_tokens`` the ``forced``
+  stream every engine is made to decode (:func:`corpus_ids`);
 * the source safetensors folder for the Hugging Face engines (``--source``, else the container
   unpacked once into the work folder) and the codec-raw container of the ``uncompressed``
   engine (packed once from the source). ``cfg`` is the driver's ``BenchConfig``.
@@ -16,8 +19,10 @@ from pathlib import Path
 
 from zipmoe.errors import UsageError
 
-__all__ = ["DEFAULT_PROMPTS", "read_prompts", "load_tokenizer", "tokenize", "make_cases", "run_context", "prepare_source",
-           "prepare_raw_container"]
+__all__ = ["DEFAULT_PROMPTS", "CORPUS_PROMPT_TOKENS", "read_prompts", "load_tokenizer", "tokenize", "pad_id", "corpus_ids",
+           "make_cases", "run_context", "prepare_source", "prepare_raw_container"]
+
+CORPUS_PROMPT_TOKENS = 32  # the corpus workload's prompt: a passage's first 32 tokens
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -69,6 +74,33 @@ def load_tokenizer(folder: Path | None):
         return None
 
 
+def pad_id(tokenizer, config: dict) -> int:
+    """The pad id :func:`tokenize` uses: the tokenizer's pad (else its EOS), else the config's pad, EOS, 0."""
+    pad = config.get("pad_token_id")
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if tokenizer is not None:
+        tpad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if tpad is not None:
+            return int(tpad)
+    return int(pad if pad is not None else (eos if eos is not None else 0))
+
+
+def corpus_ids(tokenizer, config: dict, batches: list[int], new_tokens: list[int], texts: list[str] | None = None,
+               prompt_tokens: int = CORPUS_PROMPT_TOKENS) -> tuple[list[list[int]], list[list[int]], int, str]:
+    """The corpus workload's ``(prompt ids, forced ids, pad, origin)`` for the largest batch and
+    token count (a smaller case takes the first rows and tokens): runtime/plan/workload.py's
+    :func:`~zipmoe.runtime.plan.workload.teacher_forced`, ``texts`` being the bundled passages or
+    the ``--prompts`` lines."""
+    from zipmoe.runtime.plan.workload import ids_origin, teacher_forced
+
+    prompts, forced = teacher_forced(tokenizer, config, rows=max(batches), prompt_tokens=prompt_tokens,
+                                     new_tokens=max(new_tokens), texts=texts)
+    origin = ids_origin(tokenizer) + (", teacher-forced --prompts texts" if texts is not None else ", teacher-forced corpus")
+    return prompts, forced, pad_id(tokenizer, config), origin
+
+
 def tokenize(prompts: list[str], tokenizer, config: dict, max_tokens: int, seed: int) -> tuple[list[list[int]], int, str]:
     """Token ids per prompt, the pad id, and where the ids came from."""
     pad = config.get("pad_token_id")
@@ -90,8 +122,11 @@ def tokenize(prompts: list[str], tokenizer, config: dict, max_tokens: int, seed:
     return ids, int(pad if pad is not None else (eos if eos is not None else 0)), "synthetic ids (the model has no tokenizer)"
 
 
-def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_tokens: list[int]) -> list[dict]:
-    """One case per (batch, new tokens): rows are prompts taken in order (cycling), left padded."""
+def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_tokens: list[int], *, workload: str = "greedy",
+               forced: list[list[int]] | None = None, temperature: float = 1.0, seed: int = 0) -> list[dict]:
+    """One case per (batch, new tokens): rows are prompts taken in order (cycling), left padded.
+    Each case names its ``workload``; ``forced`` (the corpus workload): each row's forced ids, cut
+    to the case's new tokens; the sample workload's cases carry ``temperature`` and ``seed``."""
     cases = []
     for b in batches:
         rows = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
@@ -99,7 +134,16 @@ def make_cases(prompt_ids: list[list[int]], pad: int, batches: list[int], new_to
         ids = [[pad] * (width - len(r)) + r for r in rows]
         mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
         for n in new_tokens:
-            cases.append({"id": f"b{b}-n{n}", "batch": b, "new_tokens": n, "input_ids": ids, "attention_mask": mask, "pad_token_id": pad})
+            case = {"id": f"b{b}-n{n}", "batch": b, "new_tokens": n, "input_ids": ids, "attention_mask": mask, "pad_token_id": pad,
+                    "workload": workload}
+            if forced is not None:
+                rows_f = [forced[i % len(forced)] for i in range(b)]
+                if any(len(r) < n for r in rows_f):
+                    raise UsageError(f"the forced stream has fewer than {n} tokens")
+                case["forced"] = [r[:n] for r in rows_f]
+            if workload == "sample":
+                case.update(temperature=float(temperature), seed=int(seed))
+            cases.append(case)
     return cases
 
 
@@ -107,7 +151,8 @@ def run_context(cases: list[dict]) -> int:
     """The zipmoe engines' KV cache when --context is not given: the longest prompt plus its new
     tokens, rounded up to 64 positions (a static cache longer than the run costs memory, on the
     CPU inside the cgroup, and attention time over the unused positions)."""
-    need = max((len((c.get("input_ids") or [[]])[0]) + int(c.get("new_tokens") or 0) + 1 for c in cases), default=64)
+    need = max((len((c.get("input_ids") or [[]])[0]) + max(int(c.get("new_tokens") or 0), len((c.get("forced") or [[]])[0])) + 1
+                for c in cases), default=64)
     return -(-need // 64) * 64
 
 

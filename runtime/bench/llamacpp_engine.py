@@ -10,6 +10,10 @@ a user of that API gets at batch B, ``ttft_s`` is the first row's and ``tpot_s``
 between tokens over all rows. llama.cpp computes with its own kernels (bf16 weights, float32
 activations on the CPU): the same bits in, not the same arithmetic, so its tokens agreeing with
 zipmoe's is a figure (``token_agreement`` in the report), not a check.
+
+Workloads: teacher forcing (``corpus``) evaluates each step's forced token instead of the
+argmax (the argmax is kept, ``argmax_tokens``, for the agreement figure); ``sample`` is not
+supported: it decodes greedily and its record says ``greedy (sampling not supported)``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class LlamaCppModel:
         time_limit = spec.get("time_limit_s")
         min_tokens = int(spec.get("min_tokens", 2))
         rows = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(case["input_ids"], case["attention_mask"])]
+        forced = case.get("forced")
+        argmax: list[list[int]] = []
         sampler.reset()
         io0 = read_io().get("read_bytes", 0)
         io_first = None
@@ -106,13 +112,17 @@ class LlamaCppModel:
         gen: list[list[int]] = []
         first_times, decode_time, decode_steps = [], 0.0, 0
         stopped = False
-        for row in rows:
+        for r, row in enumerate(rows):
             self.llm.reset()
             r0 = time.perf_counter()
             self.llm.eval(row)
-            toks, times = [], []
+            toks, times, best = [], [], []
+            argmax.append(best)
             while len(toks) < n:
                 tok = self._greedy_next()
+                best.append(tok)
+                if forced:  # teacher forcing: the stream's token is the one fed on
+                    tok = int(forced[r][len(toks)])
                 times.append(time.perf_counter())
                 toks.append(tok)
                 if io_first is None:
@@ -136,7 +146,13 @@ class LlamaCppModel:
         ntok = min(len(g) for g in gen) if len(gen) == batch else 0
         total = sum(len(g) for g in gen)
         e2e = t_end - t0
+        from zipmoe.runtime.bench.diagnostics import workload_record
+
+        wl = workload_record(case, gen, argmax if forced else None)
+        if wl["workload"] == "sample":
+            wl = dict(wl, workload="greedy (sampling not supported)")
         return {
+            **wl,
             "batch": batch,
             "new_tokens": n,
             "generated": ntok if len(gen) == batch else min(len(g) for g in gen),

@@ -13,7 +13,13 @@ Input: the records the workers wrote (one per run, see runtime/bench/worker.py),
   and is compared at every budget.
 - :func:`token_check`: every engine's greedy tokens against the reference (resident when run,
   else the first engine), over the common prefix (a baseline stopped by the time limit makes
-  fewer tokens).
+  fewer tokens). Under teacher forcing (the ``corpus`` workload) every engine's tokens are the
+  forced stream, so the check compares the model's own argmax at every forced step
+  (``argmax_tokens``) instead.
+- the workload diagnostics (runtime/bench/diagnostics.py): per row ``distinct_tokens``,
+  ``cycle`` (:func:`cycle_warnings` names every run whose tokens loop), and for zipmoe engines
+  ``distinct_experts``, the hit rate of the first and last quarter of the decode steps and the
+  hit rate Belady's MIN reaches with the same capacity.
 - :func:`render_table` (rich) and :func:`plot` (matplotlib, optional: a clear message when it
   is not installed).
 """
@@ -26,12 +32,15 @@ from collections import defaultdict
 from zipmoe.errors import UsageError
 from zipmoe.runtime.engine.states import STATES
 
-ZIPMOE_ENGINES = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic")
+ZIPMOE_ENGINES = ("zipmoe", "zipmoe-default", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic")
 BASELINE_ORDER = ("accelerate", "uncompressed", "resident", "deepspeed", "llama.cpp", "moe-infinity")
-ENGINE_ORDER = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
+ENGINE_ORDER = ("zipmoe", "zipmoe-default", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
 # engines computing with other kernels: their tokens agreeing is a figure (tables.token_agreement), not part of the check
 AGREEMENT_ONLY = ("llama.cpp",)
 
+# per-run workload diagnostics (runtime/bench/diagnostics.py; the hit rates and MIN for zipmoe engines)
+DIAG_METRICS = ("distinct_tokens", "distinct_experts", "hit_rate_first_quarter", "hit_rate_last_quarter", "belady_hit_rate",
+                "lru_hit_rate")
 METRICS = ("ttft_s", "tpot_s", "e2e_s", "tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "peak_rss_run_bytes", "floor_tpot_s", "tpot_over_floor")
 
 
@@ -63,8 +72,14 @@ def io_floor_tpot(bytes_per_tok: float | None, disk_bw: float | None) -> float |
     return bytes_per_tok / disk_bw
 
 
+def workload_of(run: dict) -> str:
+    """The workload a run measured (``corpus``, ``sample``, ``greedy``; runs recorded before
+    workloads existed were greedy), without the note a run may carry after it."""
+    return str(run.get("workload") or "greedy").split(" (", 1)[0]
+
+
 def _key(run: dict) -> tuple:
-    return (run["engine"], run.get("budget"), int(run["batch"]), int(run["new_tokens"]))
+    return (run["engine"], run.get("budget"), int(run["batch"]), int(run["new_tokens"]), workload_of(run))
 
 
 def enrich(run: dict, disk_bw: float | None) -> dict:
@@ -100,21 +115,29 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         groups[_key(run)].append(enrich(run, disk_bw))
     rows = []
     for key, rs in groups.items():
-        engine, budget, batch, new_tokens = key
-        row = {"engine": engine, "budget": budget, "batch": batch, "new_tokens": new_tokens, "runs": len(rs),
+        engine, budget, batch, new_tokens, workload = key
+        row = {"engine": engine, "budget": budget, "batch": batch, "new_tokens": new_tokens, "workload": workload, "runs": len(rs),
                "generated": min(r.get("generated") or 0 for r in rs),
                "stopped_by_time_limit": any(r.get("stopped_by_time_limit") and (r.get("generated") or 0) < r["new_tokens"] for r in rs),
                "cold_mode": sorted({str(r.get("cold_mode")) for r in rs})}
         for m in METRICS:
             row[m] = stats(r.get(m) for r in rs)
         row["hits"] = _hits(rs)
+        notes = sorted({str(r["workload"]) for r in rs if r.get("workload") and str(r["workload"]) != workload})
+        if notes:
+            row["workload_notes"] = notes
+        for m in DIAG_METRICS:
+            row[m] = stats(r.get(m) for r in rs)
+        cyc = [r.get("cycle") for r in rs if r.get("cycle") is not None]
+        row["cycle"] = min(cyc) if cyc else None
+        row["capacity_upper_bound"] = any(r.get("capacity_upper_bound") for r in rs)
         # the budget's own count (allocator rounding included) beside the GPU allocator's peak
         held = [r["memory"]["peak_counted_bytes"] for r in rs if isinstance(r.get("memory"), dict)]
         gpu = [r["cuda_peak_bytes"] for r in rs if r.get("cuda_peak_bytes")]
         row["peak_counted_bytes"] = max(held) if held else None
         row["cuda_peak_bytes"] = max(gpu) if gpu else None
         rows.append(row)
-    rows.sort(key=lambda r: (r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
+    rows.sort(key=lambda r: (r["workload"], r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
     return rows
 
 
@@ -130,18 +153,20 @@ def _med(row: dict | None, metric: str) -> float | None:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """zipmoe engines against each baseline at the same (budget, batch, new tokens)."""
-    index = {(r["engine"], r["budget"], r["batch"], r["new_tokens"]): r for r in rows}
-    resident = {(r["batch"], r["new_tokens"]): r for r in rows if r["engine"] == "resident"}
+    index = {(r["engine"], r["budget"], r["batch"], r["new_tokens"], r.get("workload")): r for r in rows}
+    resident = {(r["batch"], r["new_tokens"], r.get("workload")): r for r in rows if r["engine"] == "resident"}
     out = []
     for r in rows:
         if r["engine"] not in ZIPMOE_ENGINES:
             continue
         for base in BASELINE_ORDER:
-            b = resident.get((r["batch"], r["new_tokens"])) if base == "resident" else index.get((base, r["budget"], r["batch"], r["new_tokens"]))
+            wk = r.get("workload")
+            b = resident.get((r["batch"], r["new_tokens"], wk)) if base == "resident" else index.get((base, r["budget"], r["batch"], r["new_tokens"], wk))
             if b is None:
                 continue
             out.append({
                 "engine": r["engine"], "baseline": base, "budget": r["budget"], "batch": r["batch"], "new_tokens": r["new_tokens"],
+                "workload": wk,
                 "tpot_x": _ratio(_med(b, "tpot_s"), _med(r, "tpot_s")),
                 "ttft_x": _ratio(_med(b, "ttft_s"), _med(r, "ttft_s")),
                 "throughput_x": _ratio(_med(r, "tokens_per_s"), _med(b, "tokens_per_s")),
@@ -159,10 +184,14 @@ def token_check(runs: list[dict]) -> dict:
     """Do all engines produce the same greedy tokens? Compared per (batch, new tokens) case and
     row, over the common prefix, against the reference engine (resident, else the first)."""
     by_case: dict[tuple, dict[tuple, list]] = defaultdict(dict)
+    forced = False
     for r in runs:
         if r.get("tokens") is None or r.get("engine") in AGREEMENT_ONLY:
             continue
-        by_case[(r["batch"], r["new_tokens"], r.get("case"))].setdefault((r["engine"], r.get("budget")), r["tokens"])
+        toks = r["tokens"]
+        if r.get("argmax_tokens") is not None:  # teacher forcing: the tokens are the stream; the argmax is the model's
+            toks, forced = r["argmax_tokens"], True
+        by_case[(r["batch"], r["new_tokens"], r.get("case"), workload_of(r))].setdefault((r["engine"], r.get("budget")), toks)
     mismatches = []
     compared = 0
     for case, per_engine in by_case.items():
@@ -186,9 +215,28 @@ def token_check(runs: list[dict]) -> dict:
     elif mismatches:
         m = mismatches[0]
         message = f"tokens DIFFER: {len(mismatches)} engine/case pairs, e.g. {m['engine']} vs {m['reference']} at batch {m['batch']} row {m['row']} token {m['first_difference_at']}"
+    elif forced:
+        message = (f"all engines gave the same greedy tokens: the argmax at every teacher-forced step "
+                   f"({compared} engine/case comparisons, common prefix)")
     else:
         message = f"all engines gave the same greedy tokens ({compared} engine/case comparisons, common prefix)"
-    return {"same": compared > 0 and not mismatches, "compared": compared, "mismatches": mismatches, "message": message}
+    return {"same": compared > 0 and not mismatches, "compared": compared, "mismatches": mismatches, "message": message,
+            "compared_on": "argmax under teacher forcing" if forced else "tokens"}
+
+
+def cycle_warnings(runs: list[dict]) -> list[str]:
+    """One line per (engine, budget, case) whose generated tokens loop (``cycle`` is a period):
+    its cache figures measure a loop, not serving."""
+    seen: dict[tuple, dict] = {}
+    for r in runs:
+        if r.get("cycle") is not None:
+            seen.setdefault((r.get("engine"), r.get("budget"), r.get("batch"), r.get("new_tokens")), r)
+    out = []
+    for (eng, budget, batch, n), r in seen.items():
+        out.append(f"WARNING: {eng} @ {_fmt_budget(budget)} batch {batch} x {n} tokens ({r.get('workload') or 'greedy'}): "
+                   f"the tokens cycle with period {r['cycle']} in {r.get('cycle_rows') or 1} row(s): its cache hits measure a loop "
+                   "(use --workload corpus)")
+    return out
 
 
 # ----------------------------------------------------------------------------- presentation
@@ -210,6 +258,20 @@ def _fmt_hits(h: dict | None) -> str:
     if not total:
         return ""
     return "·".join(f"{100 * h.get(k, 0) / total:.0f}" for k in STATES)
+
+
+def _fmt_int(v) -> str:
+    return "–" if v is None else f"{v:.0f}"
+
+
+def _fmt_pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
+def _fmt_quarters(a, b) -> str:
+    if a is None and b is None:
+        return "–"
+    return f"{_fmt_pct(a)}→{_fmt_pct(b)}"
 
 
 def _fmt_x(v: float | None) -> str:
@@ -240,22 +302,23 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
     ``compact``: engine, budget, batch, tokens, TPOT, ×floor and the ratios only."""
     from rich.table import Table
 
-    rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"]): x for x in rats}
+    rindex = {(x["engine"], x["baseline"], x["budget"], x["batch"], x["new_tokens"], x.get("workload")): x for x in rats}
     bases = [b for b in BASELINE_ORDER if any(x["baseline"] == b for x in rats)]
     t = Table(title=title, show_lines=False, pad_edge=False)
     cols = ("engine", "budget", "batch", "tokens", "TTFT", "TPOT", "TPOT min–max", "tok/s", "MiB/tok", "floor", "×floor", "peak RSS",
-            "held · GPU peak", "hits % F·C·S·E·miss")
+            "held · GPU peak", "hits % F·C·S·E·miss", "distinct tok", "experts", "hit ¼ first→last", "MIN")
     keep = [i for i, c in enumerate(cols) if not compact or c in COMPACT]
     for i in keep:
         t.add_column(cols[i], justify="left" if cols[i] == "engine" else "right", no_wrap=True)
     for b in bases:
         t.add_column(f"vs {b}", justify="right", no_wrap=True)
+    several = len({r.get("workload") for r in rows}) > 1  # a JSON holding runs of several workloads: say which
     for r in rows:
         tp = r.get("tpot_s")
         bpt = _med(r, "bytes_per_token")
         rss = _med(r, "peak_rss_run_bytes")
         cells = [
-            r["engine"], _fmt_budget(r["budget"]), str(r["batch"]),
+            r["engine"] + (f" [{r.get('workload')}]" if several else ""), _fmt_budget(r["budget"]), str(r["batch"]),
             f"{r['generated']}/{r['new_tokens']}" + ("*" if r.get("stopped_by_time_limit") else ""),
             _fmt_s(_med(r, "ttft_s")), _fmt_s(_med(r, "tpot_s")),
             "–" if tp is None else f"{_fmt_s(tp['min'])}–{_fmt_s(tp['max'])}",
@@ -265,10 +328,14 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
             "–" if rss is None else _fmt_budget(rss),
             _fmt_held(r),
             _fmt_hits(r.get("hits")),
+            _fmt_int(_med(r, "distinct_tokens")) + (f" ↻{r['cycle']}" if r.get("cycle") else ""),
+            _fmt_int(_med(r, "distinct_experts")),
+            _fmt_quarters(_med(r, "hit_rate_first_quarter"), _med(r, "hit_rate_last_quarter")),
+            _fmt_pct(_med(r, "belady_hit_rate")) + ("≤" if r.get("capacity_upper_bound") and _med(r, "belady_hit_rate") is not None else ""),
         ]
         cells = [cells[i] for i in keep]
         for b in bases:
-            x = rindex.get((r["engine"], b, r["budget"], r["batch"], r["new_tokens"]))
+            x = rindex.get((r["engine"], b, r["budget"], r["batch"], r["new_tokens"], r.get("workload")))
             cells.append(_fmt_x(x["tpot_x"]) if x else "")
         t.add_row(*cells)
     if console is not None:

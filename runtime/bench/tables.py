@@ -32,7 +32,7 @@ from zipmoe.errors import UsageError
 from zipmoe.runtime.bench.merge import case_key
 
 SCHEMA = "zipmoe-bench-tables/1"
-ORDER = ("zipmoe", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
+ORDER = ("zipmoe", "zipmoe-default", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
 ABLATION = (("zipmoe-basic", "basic"), ("zipmoe-pools", "+pools"), ("zipmoe-noprefetch", "+planning"),
             ("zipmoe", "+prefetch"))
 
@@ -114,7 +114,9 @@ def token_agreement(runs: list[dict], reference: str = "zipmoe") -> list[dict]:
     for r in runs:
         if r.get("tokens") is None:
             continue
-        by[(r["batch"], r["new_tokens"], r.get("case"))].setdefault((r["engine"], r.get("budget")), r["tokens"])
+        # under teacher forcing the tokens are the forced stream: compare the model's argmax at each step
+        toks = r["argmax_tokens"] if r.get("argmax_tokens") is not None else r["tokens"]
+        by[(r["batch"], r["new_tokens"], r.get("case"))].setdefault((r["engine"], r.get("budget")), toks)
     ref_engine = reference if any(k[0] == reference for v in by.values() for k in v) else "resident"
     acc: dict = defaultdict(lambda: {"equal": 0, "compared": 0, "first_difference": None, "rows": 0})
     for case, per in by.items():

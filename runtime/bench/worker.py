@@ -1,11 +1,14 @@
-"""One engine's process in `zipmoe bench`: load, generate greedily, measure, report JSON.
+"""One engine's process in `zipmoe bench`: load, decode the case's workload, measure, report JSON.
 
 Run as ``python -m zipmoe.runtime.bench.worker`` with the spec (JSON) on stdin. It joins the
 memory cgroup the parent made (``ZIPMOE_BENCH_CGROUP``) before importing torch, loads the
 engine (runtime/bench/engines.py), then for every case (batch, new tokens) and run:
 
 - cold runs empty the page cache first (runtime/bench/cold.py; the mode is recorded);
-- greedy decoding of a fixed number of new tokens (EOS suppressed with ``min_new_tokens``):
+- decoding of a fixed number of new tokens (EOS suppressed with ``min_new_tokens``) as the
+  case's ``workload`` says (runtime/plan/workload.py): ``corpus`` teacher-forces the case's
+  ``forced`` ids (``ForcedTokens``), ``sample`` samples after ``torch.manual_seed``, ``greedy``;
+  zipmoe runs also record their routing and hits per token (:class:`RunDiagnostics`):
   the zipmoe engines run zipmoe's decode loop (runtime/engine/loop.py, a static KV cache of
   ``spec["context"]`` positions, default 4096, allocated once per batch size; on the CPU its
   bytes are added to the cgroup's limit, see :func:`kv_allowance`), the others
@@ -193,7 +196,7 @@ def _diff(a, b):
     return b
 
 
-def _make_streamer_and_stop(torch, device: str, time_limit_s: float | None, min_tokens: int, on_first_token):
+def _make_streamer_and_stop(torch, device: str, time_limit_s: float | None, min_tokens: int, on_first_token, on_each=None):
     from transformers.generation.stopping_criteria import StoppingCriteria
     from transformers.generation.streamers import BaseStreamer
 
@@ -213,6 +216,8 @@ def _make_streamer_and_stop(torch, device: str, time_limit_s: float | None, min_
             self.times.append(time.perf_counter())
             if len(self.times) == 1:
                 on_first_token()
+            if on_each is not None:
+                on_each()
 
         def end(self):
             pass
@@ -278,6 +283,122 @@ def _loop_for(model, runtime, torch, spec: dict, batch: int):
     return _LOOP["loop"]
 
 
+class RunDiagnostics:
+    """A zipmoe run's routing and hits, token by token (runtime/bench/diagnostics.py turns them
+    into ``distinct_experts``, the quarter hit rates and Belady's MIN).
+
+    The routing comes from the runtime's counters' log of layer calls (``counters.log_uses``)
+    where the runtime has it (CUDA graphs keep working), else from an activation trace written
+    to a temporary file for the run (``start_trace``; not when CUDA graphs replay the decode
+    steps, nor while the engine records a trace for ``--trace-out``: then no routing figures).
+    Hits: the ``hits`` counters at every token boundary."""
+
+    def __init__(self, runtime, graphed: bool) -> None:
+        self.rt = runtime
+        self.c = runtime.counters
+        self.mode = None
+        self.path = None
+        self.marks: list = []  # per token: (layer calls logged so far, hits so far)
+        self.note = None
+        if callable(getattr(self.c, "log_uses", None)):
+            self.c.log_uses(True)
+            self.mode = "counters"
+        elif graphed:
+            self.note = "CUDA graphs replay the decode steps: no routing trace"
+        elif getattr(runtime, "_trace", None) is not None:
+            self.note = "the engine records --trace-out: no per-run routing trace"
+        elif callable(getattr(runtime, "start_trace", None)):
+            import tempfile
+
+            fd, self.path = tempfile.mkstemp(prefix="zipmoe-bench-run-", suffix=".jsonl")
+            os.close(fd)
+            runtime.start_trace(self.path)
+            self.mode = "trace"
+
+    def on_token(self) -> None:
+        log = getattr(self.c, "uses_log", None) if self.mode == "counters" else None
+        self.marks.append((len(log) if log is not None else None, dict(self.c.hits)))
+
+    def _steps(self) -> list | None:
+        if self.mode == "counters":
+            log = self.c.log_uses(False) or []
+            steps, prev = [], 0
+            for n, _ in self.marks:
+                steps.append([(layer, experts) for layer, experts in log[prev:n]])
+                prev = n
+            return steps
+        if self.mode == "trace":
+            from zipmoe.runtime.engine.trace import read_trace
+
+            self.rt.stop_trace()
+            try:
+                _, raw = read_trace(self.path)
+            finally:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+            steps = []
+            for st in raw:
+                calls = []
+                for layer, rows in st.items():
+                    calls.append((int(layer), sorted({int(e) for r in rows for e in r})))
+                steps.append(calls)
+            return steps[: len(self.marks)]
+        return None
+
+    def abort(self) -> None:
+        """The run failed: stop logging (or tracing) and remove the trace file."""
+        try:
+            if self.mode == "counters":
+                self.c.log_uses(False)
+            elif self.mode == "trace":
+                self.rt.stop_trace()
+                os.unlink(self.path)
+        except Exception:
+            pass
+
+    def finish(self, tokens) -> dict:
+        from zipmoe.runtime.bench import diagnostics
+
+        try:
+            steps = self._steps()
+        except Exception as exc:  # diagnostics never fail a run
+            steps, self.note = None, f"routing not read: {type(exc).__name__}: {exc}"
+        cap, upper = capacity_in_experts(self.rt)
+        out = diagnostics.summarize_run(tokens, steps, [h for _, h in self.marks], cap, upper)
+        out["diagnostics_source"] = {"counters": "the runtime's counters", "trace": "an activation trace"}.get(self.mode)
+        if self.note:
+            out["diagnostics_note"] = self.note
+        return out
+
+
+def capacity_in_experts(runtime) -> tuple[int | None, bool]:
+    """The runtime's cache capacity in experts: the plan's slot counts when it has them (per
+    sparse layer x layers), else each pool's bytes // one expert's bytes in that pool's form;
+    ``True`` beside it when several pools hold experts (the total is then an upper bound)."""
+    from zipmoe.runtime.bench.diagnostics import expert_capacity
+
+    try:
+        pools = dict(runtime.pools)
+        ets = list(runtime.expert_tensors.values())
+        if not ets:
+            return None, False
+        mean = lambda f: sum(sum(f(t) for t in ts) for ts in ets) // len(ets)  # noqa: E731
+        per = {"full": mean(lambda t: t.compute_bytes), "compressed": mean(lambda t: t.stored_bytes),
+               "sm_only": mean(lambda t: t.sm_bytes), "e_only": mean(lambda t: t.e_bytes)}
+        slots = None
+        plan = getattr(runtime, "plan", None)
+        ps = (plan or {}).get("slots") if isinstance(plan, dict) else None
+        if isinstance(ps, dict) and isinstance(ps.get("per_layer"), dict) and ps.get("sparse_layers"):
+            plan_pools = plan.get("pools") or {}
+            if all(int(pools.get(k, 0)) >= int(v) for k, v in plan_pools.items()):  # not scaled down
+                slots = {k: int(v) * int(ps["sparse_layers"]) for k, v in ps["per_layer"].items()}
+        return expert_capacity(pools, per, slots)
+    except Exception:
+        return None, False
+
+
 def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler, cold_mode: str | None) -> dict:
     """One measured generation; returns its record."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -289,25 +410,48 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
     ids = torch.tensor(case["input_ids"], dtype=torch.long, device=dev)
     mask = torch.tensor(case["attention_mask"], dtype=torch.long, device=dev)
     n = int(case["new_tokens"])
+    workload = case.get("workload") or "greedy"
+    sample = workload == "sample"
+    forced = None
+    if case.get("forced"):
+        from zipmoe.runtime.engine.sampling import ForcedTokens
+
+        forced = ForcedTokens(torch.tensor([r[:n] for r in case["forced"]], dtype=torch.long), keep_argmax=True)
     first: dict = {}
 
     def on_first_token():
         first["io"] = read_io().get("read_bytes", 0)
         first["counters"] = snapshot_counters(runtime)
 
-    streamer, limit = _make_streamer_and_stop(torch, device, spec.get("time_limit_s"), int(spec.get("min_tokens", 2)), on_first_token)
+    holder: dict = {}  # the run's RunDiagnostics, once the loop is made
+
+    def on_each():
+        d = holder.get("diag")
+        if d is not None:
+            d.on_token()
+
+    streamer, limit = _make_streamer_and_stop(torch, device, spec.get("time_limit_s"), int(spec.get("min_tokens", 2)), on_first_token,
+                                              on_each=on_each)
     gen_kw = dict(
         attention_mask=mask,
         max_new_tokens=n,
         min_new_tokens=n,
-        do_sample=False,
+        do_sample=sample,
         num_beams=1,
         streamer=streamer,
         stopping_criteria=StoppingCriteriaList([limit]),
         pad_token_id=int(case.get("pad_token_id", 0)),
     )
-    for k in ("temperature", "top_p", "top_k"):  # silence "generation flags are not valid" from sampling configs
-        gen_kw[k] = None
+    if sample:
+        gen_kw["temperature"] = float(case.get("temperature") or 1.0)
+    else:
+        for k in ("temperature", "top_p", "top_k"):  # silence "generation flags are not valid" from sampling configs
+            gen_kw[k] = None
+    if forced is not None:
+        from transformers import LogitsProcessorList
+
+        gen_kw["logits_processor"] = LogitsProcessorList([forced])
+    seed = int(case.get("seed") or 0)
     sampler.reset()
     io0 = read_io().get("read_bytes", 0)
     c0 = snapshot_counters(runtime)
@@ -315,22 +459,32 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     loop = _loop_for(model, runtime, torch, spec, int(ids.shape[0]))
+    diag = None
+    if runtime is not None and spec.get("diagnostics", True) and getattr(runtime, "counters", None) is not None:
+        diag = holder["diag"] = RunDiagnostics(runtime, graphed=loop is not None and getattr(loop, "graphed", None) is not None)
+    if sample:
+        torch.manual_seed(seed)
     t0 = time.perf_counter()
     limit.start = t0
-    with torch.inference_mode():
-        if loop is not None:
-            streamer.prompt_seen = True
-            res = loop.generate(ids, mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                generation_kwargs={k: v for k, v in gen_kw.items()
-                                                   if k in ("pad_token_id", "num_beams", "temperature", "top_p", "top_k")},
-                                on_token=lambda _ids: streamer.put(None),
-                                stop_when=lambda _n: bool(limit(ids, None)[0]))
-            gen = res.tokens
-        else:
-            out = model.generate(ids, **gen_kw)
-            gen = out[:, ids.shape[1]:].tolist()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    try:
+        with torch.inference_mode():
+            if loop is not None:
+                streamer.prompt_seen = True
+                res = loop.generate(ids, mask, max_new_tokens=n, min_new_tokens=n, do_sample=sample,
+                                    generation_kwargs={k: v for k, v in gen_kw.items()
+                                                       if k in ("pad_token_id", "num_beams", "temperature", "top_p", "top_k")},
+                                    on_token=lambda _ids: streamer.put(None),
+                                    stop_when=lambda _n: bool(limit(ids, None)[0]), forced=forced)
+                gen = res.tokens
+            else:
+                out = model.generate(ids, **gen_kw)
+                gen = out[:, ids.shape[1]:].tolist()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except BaseException:
+        if diag is not None:
+            diag.abort()
+        raise
     t_end = time.perf_counter()
     io1 = read_io().get("read_bytes", 0)
     c1 = snapshot_counters(runtime)
@@ -357,6 +511,9 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         "tokens": gen,
         "decode_loop": loop is not None,
     }
+    from zipmoe.runtime.bench.diagnostics import workload_record
+
+    rec.update(workload_record(case, gen, forced))
     if loop is not None:
         rec.update(context=loop.context, kv_bytes=loop.kv_bytes, stop=res.stop)
     if runtime is not None:
@@ -366,6 +523,8 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         rec["bytes_read_engine"] = b
         if "counters" in first and first["counters"] is not None:
             rec["decode_bytes_read_engine"] = counter_bytes(counter_diff(first["counters"], c1))
+    if diag is not None:
+        rec.update(diag.finish(gen))
     if device == "cuda":
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
     if runtime is not None and hasattr(runtime, "memory"):

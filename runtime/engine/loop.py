@@ -54,7 +54,7 @@ import torch
 from zipmoe.errors import UsageError
 from zipmoe.runtime.engine.hf_compat import crop
 from zipmoe.runtime.engine.kvsize import kv_shapes, max_context
-from zipmoe.runtime.engine.sampling import Sampler, eos_ids, finish_reason, generation_config
+from zipmoe.runtime.engine.sampling import ForcedTokens, Sampler, eos_ids, finish_reason, generation_config
 from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "generate_ids"]
@@ -297,7 +297,7 @@ class DecodeLoop:
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int = 256, do_sample=None,
                  temperature=None, top_p=None, top_k=None, seed: int | None = None, reuse: bool = False,
                  on_token=None, keep_logits: bool = False, min_new_tokens: int = 0, generation_kwargs=None,
-                 stop_when=None) -> GenerateResult:
+                 stop_when=None, forced=None) -> GenerateResult:
         """Prefill then decode up to ``max_new_tokens`` tokens per row, as ``model.generate`` would
         with a static cache and the same settings (greedy when the generation config says so).
 
@@ -308,7 +308,12 @@ class DecodeLoop:
         in ``generate``): ``self.tokens`` then holds the prompt and every new token but the last.
         ``stop_when(n)``, called after the ``n``-th new token, ends the answer when it returns
         True (``stop`` = ``"stop_when"``; a time limit, say). ``generation_kwargs``: further
-        ``GenerationConfig`` fields (``pad_token_id``, ``repetition_penalty``, ...).
+        ``GenerationConfig`` fields (``pad_token_id``, ``repetition_penalty``, ...). ``forced``:
+        teacher forcing, ``[batch, n]`` token ids (a tensor, lists, or a ``ForcedTokens``, to
+        read its ``argmax_tokens()`` afterwards): step ``i``'s token is
+        ``forced[:, i]`` whatever the logits say (:class:`~zipmoe.runtime.engine.sampling.ForcedTokens`,
+        after the generation config's processors, as ``model.generate(logits_processor=...)``
+        runs it); the logits are the model's own.
         """
         if max_new_tokens < 1:
             raise UsageError("max_new_tokens must be at least 1")
@@ -320,7 +325,11 @@ class DecodeLoop:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.ndim == 1:
             ids = ids[None]
-        sampler = Sampler(self.model, cfg, prompt_len=int(ids.shape[1]), batch=self.batch, device=self.device)
+        procs = None
+        if forced is not None:
+            procs = [forced if isinstance(forced, ForcedTokens) else ForcedTokens(forced, prompt_len=int(ids.shape[1]))]
+        sampler = Sampler(self.model, cfg, prompt_len=int(ids.shape[1]), batch=self.batch, device=self.device,
+                          logits_processor=procs)
         if seed is not None:
             torch.manual_seed(seed)
         res = GenerateResult(tokens=[[] for _ in range(self.batch)])
@@ -386,18 +395,22 @@ class DecodeLoop:
 
 @torch.inference_mode()
 def generate_ids(model, input_ids, attention_mask=None, *, max_new_tokens: int, min_new_tokens: int = 0,
-                 do_sample: bool = False, streamer=None, pad_token_id=None, **generation_kwargs) -> torch.Tensor:
+                 do_sample: bool = False, streamer=None, pad_token_id=None, forced=None, **generation_kwargs) -> torch.Tensor:
     """``model.generate(...)``'s common keywords on the runtime's decode loop: the sequences
     ``[batch, prompt + new]`` (finished rows padded), the streamer fed as ``generate`` feeds it
     (the prompt, then each step's new ids, then ``end()``). The loop (and its cache) is kept in
     the runtime's ``loops`` (``model.zipmoe.loops``, per batch size) and reused while the
     context it needs fits (a model without a runtime gets a loop per call); for the planner's
     and tools' served passes, which then time what serving runs. Encoder-decoder models run
-    ``model.generate`` itself."""
+    ``model.generate`` itself. ``forced``: teacher forcing (``DecodeLoop.generate``'s)."""
     if getattr(model.config, "is_encoder_decoder", False):
         kw = dict(generation_kwargs)
         if pad_token_id is not None:
             kw["pad_token_id"] = pad_token_id
+        if forced is not None:
+            from transformers import LogitsProcessorList
+
+            kw["logits_processor"] = LogitsProcessorList([forced if isinstance(forced, ForcedTokens) else ForcedTokens(forced)])
         return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                               min_new_tokens=min_new_tokens, do_sample=do_sample, streamer=streamer, **kw)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -418,7 +431,7 @@ def generate_ids(model, input_ids, attention_mask=None, *, max_new_tokens: int, 
         kw["pad_token_id"] = pad_token_id
     on_token = (lambda host: streamer.put(torch.tensor(host))) if streamer is not None else None
     res = loop.generate(ids, attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                        do_sample=do_sample, on_token=on_token, generation_kwargs=kw)
+                        do_sample=do_sample, on_token=on_token, generation_kwargs=kw, forced=forced)
     if streamer is not None:
         streamer.end()
     if res.interrupted:

@@ -14,6 +14,13 @@ temperature / top-p into the generation config's fields, the same way for chat a
 :func:`eos_ids` reads the end-of-sequence ids wherever they are given (a generation config, a
 model config, a tokenizer, a config.json dict); :func:`finish_reason` says why an answer ends
 after a token (end of sequence, the token limit, a caller's test, no room left in the context).
+
+:class:`ForcedTokens` is teacher forcing as a logits processor: step ``i``'s token is
+``forced[:, i]`` whatever the logits say (the benchmark's and the calibration's ``corpus``
+workload, runtime/plan/workload.py). It goes into ``model.generate(logits_processor=
+LogitsProcessorList([ForcedTokens(f)]))`` and into the decode loop (``DecodeLoop.generate(...,
+forced=f)``, which passes it to :class:`Sampler`), so every engine decodes the same stream; it
+changes the chosen token only, never the logits.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import warnings
 
 import torch
 
-__all__ = ["Sampler", "eos_ids", "finish_reason", "generation_config", "sampling_kwargs"]
+__all__ = ["ForcedTokens", "Sampler", "eos_ids", "finish_reason", "generation_config", "sampling_kwargs"]
 
 
 def _scores_only() -> tuple:
@@ -92,22 +99,85 @@ def generation_config(model, *, do_sample=None, temperature=None, top_p=None, to
     return cfg
 
 
+class ForcedTokens:
+    """A logits processor that makes step ``i``'s token ``forced[:, i]`` (``forced``: ``[batch, n]``
+    ids): every score is ``-inf`` but that id's, which is 0 (so argmax and sampling both pick it,
+    and a processor before it that masked the id, ``min_new_tokens``' end-of-sequence mask say,
+    cannot change that). Steps past ``n`` are left alone.
+
+    The step is counted from the sequences it is given: the first call's length is the prompt's
+    (``generate`` and the decode loop both pass the prompt plus the new tokens so far); called
+    without sequences it counts its calls. One instance per generation. ``keep_argmax``: keep
+    each forced step's argmax of the scores it was given (what greedy decoding would have chosen
+    there, ``argmax_tokens()``): engines fed the same stream are compared on these."""
+
+    def __init__(self, forced, prompt_len: int | None = None, keep_argmax: bool = False) -> None:
+        f = torch.as_tensor(forced, dtype=torch.long)
+        if f.ndim == 1:
+            f = f[None]
+        if f.ndim != 2 or f.shape[1] < 1:
+            raise ValueError("forced must be [batch, steps] token ids")
+        self.forced = f
+        self.start = prompt_len
+        self.calls = 0
+        self.keep_argmax = bool(keep_argmax)
+        self._argmax: list = []
+
+    @property
+    def steps(self) -> int:
+        return int(self.forced.shape[1])
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids is not None:
+            if self.start is None:
+                self.start = int(input_ids.shape[-1])
+            step = int(input_ids.shape[-1]) - self.start
+        else:
+            step = self.calls
+        self.calls += 1
+        if step < 0 or step >= self.steps:
+            return scores
+        if self.forced.device != scores.device:
+            self.forced = self.forced.to(scores.device)
+        col = self.forced[:, step]
+        if col.shape[0] != scores.shape[0]:
+            raise ValueError(f"forced tokens have {col.shape[0]} rows; the batch has {scores.shape[0]}")
+        if self.keep_argmax:
+            self._argmax.append(torch.argmax(scores, dim=-1))
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, col[:, None], 0.0)
+        return out
+
+    def argmax_tokens(self) -> list:
+        """Per row, the argmax of the scores at each forced step so far (with ``keep_argmax``)."""
+        if not self._argmax:
+            return [[] for _ in range(self.forced.shape[0])]
+        return torch.stack(self._argmax, dim=1).tolist()
+
+
 class Sampler:
     """How one generation picks its next tokens (``batch`` rows, a prompt of ``prompt_len``
     positions), as ``model.generate`` picks them for the generation config ``cfg``.
 
     ``eos`` (the config's end-of-sequence ids) and ``pad`` (the token finished rows get, a
     tensor or None) are ``generate``'s; ``needs_ids``: whether the processors read the sequence
-    so far (pass it to :meth:`__call__` then)."""
+    so far (pass it to :meth:`__call__` then). ``logits_processor``: more processors (a
+    :class:`ForcedTokens`, say), run after generate's own, as ``generate(logits_processor=...)``
+    runs them."""
 
-    def __init__(self, model, cfg, *, prompt_len: int, batch: int = 1, device=None) -> None:
+    def __init__(self, model, cfg, *, prompt_len: int, batch: int = 1, device=None, logits_processor=None) -> None:
         self.config = cfg
+        custom = None
+        if logits_processor:  # after generate's own, as generate(logits_processor=...) puts them
+            from transformers.generation.logits_process import LogitsProcessorList
+
+            custom = LogitsProcessorList(list(logits_processor))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model._prepare_special_tokens(cfg, True, device=device, batch_size=batch)
             self.processors = model._get_logits_processor(
                 generation_config=cfg, input_ids_seq_length=int(prompt_len), encoder_input_ids=None,
-                prefix_allowed_tokens_fn=None, logits_processor=None, device=device, model_kwargs={})
+                prefix_allowed_tokens_fn=None, logits_processor=custom, device=device, model_kwargs={})
         self.do_sample = bool(cfg.do_sample)
         self.eos = eos_ids(cfg)
         self.pad = cfg._pad_token_tensor

@@ -1,10 +1,18 @@
 """Prompts the planner calibrates with, and the calibration itself: a trace of real routing.
 
-``BUILTIN_PROMPTS`` are what ``zipmoe plan --calibrate builtin`` runs and what
+What ``zipmoe plan --calibrate builtin`` (or ``corpus``) runs and what
 ``python -m zipmoe.runtime.plan.check --prompts builtin`` measures with (a plan is checked with
-the prompts it was made from). :func:`read_prompts` reads ``builtin`` or a file of one prompt per
-line; :func:`encode` is how both turn a prompt into token ids (the chat template where the
-tokenizer has one); :func:`record_trace` serves the prompts with a trace on.
+the workload it was made from) is a **workload** (runtime/plan/workload.py): by default
+``corpus``, the bundled public-domain passages teacher-forced (each passage's first 32 tokens
+are the prompt, every decode step is made to choose the passage's next token), because greedy
+decoding of a random-weight model falls into a two-token loop whose routing repeats, and a
+plan calibrated on it is a plan for a cache that hits 99%. ``greedy`` (the short
+``BUILTIN_PROMPTS`` answered greedily, the behaviour before 2026-12) and ``sample``
+(temperature 1.0, a fixed seed) stay available. :func:`read_prompts` reads ``builtin`` /
+``corpus`` or a file of one prompt per line (with ``corpus``: the texts to teacher-force);
+:func:`encode` is how the greedy and sample workloads turn a prompt into token ids (the chat
+template where the tokenizer has one); :func:`calibration_inputs` gives every workload's
+per-row ids and forced tokens; :func:`record_trace` serves them with a trace on.
 
 The benchmark harness has its own prompts (``zipmoe.runtime.bench.inputs.DEFAULT_PROMPTS``:
 completions, the same for every engine; docs/benchmarks.md's figures were measured with them).
@@ -18,7 +26,10 @@ from pathlib import Path
 
 from zipmoe.errors import UsageError
 
-__all__ = ["BUILTIN_PROMPTS", "read_prompts", "encode", "record_trace", "read_recall", "prediction_path"]
+__all__ = ["BUILTIN_PROMPTS", "BUILTIN_NAMES", "read_prompts", "encode", "calibration_inputs", "record_trace", "read_recall",
+           "prediction_path"]
+
+BUILTIN_NAMES = ("builtin", "corpus")  # the built-in prompts: the corpus passages (corpus workload) or BUILTIN_PROMPTS
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",
@@ -32,10 +43,15 @@ BUILTIN_PROMPTS = [
 ]
 
 
-def read_prompts(arg: str) -> list[str]:
-    """``builtin``: :data:`BUILTIN_PROMPTS`; else a file of prompts, one per line (blank lines skipped)."""
-    if arg == "builtin":
-        return list(BUILTIN_PROMPTS)
+def read_prompts(arg: str, workload: str = "corpus") -> list[str]:
+    """``builtin`` or ``corpus``: the built-in texts of ``workload`` (the corpus passages for
+    ``corpus``, :data:`BUILTIN_PROMPTS` for ``greedy`` and ``sample``); else a file of prompts,
+    one per line (blank lines skipped)."""
+    from zipmoe.runtime.plan.workload import check_workload, corpus_passages
+
+    check_workload(workload)
+    if arg in BUILTIN_NAMES:
+        return corpus_passages() if workload == "corpus" else list(BUILTIN_PROMPTS)
     p = Path(arg)
     try:
         prompts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -64,10 +80,31 @@ def load_kwargs(dtype: str) -> dict:
     return {} if dtype in ("bfloat16", "bf16") else {"dtype": dtype}
 
 
+def calibration_inputs(tok, config: dict, prompts: list[str], workload: str = "corpus", new_tokens: int = 32,
+                       prompt_tokens: int = 32) -> list[tuple[list[int], list[int] | None]]:
+    """One ``(prompt ids, forced ids or None)`` per row, served one after another at batch 1.
+
+    ``corpus``: each text teacher-forced (runtime/plan/workload.py's ``teacher_forced``: the
+    text's first ``prompt_tokens`` tokens, then the ``new_tokens`` that follow, continuing into
+    the next text when one is short; hashed word ids when the model has no real tokenizer);
+    ``greedy`` / ``sample``: each prompt as :func:`encode` gives it, nothing forced."""
+    from zipmoe.runtime.plan.workload import check_workload, teacher_forced
+
+    check_workload(workload)
+    if workload == "corpus":
+        ids, forced = teacher_forced(tok, config, rows=len(prompts), prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                                     texts=prompts)
+        return list(zip(ids, forced))
+    return [(encode(tok, p)[0].tolist(), None) for p in prompts]
+
+
 def record_trace(path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
-                 dtype: str = "bfloat16", load_options: dict | None = None) -> Path:
-    """Serve ``prompts`` greedily through the runtime with a trace on; returns the trace path.
-    ``load_options``: more keyword arguments of ``load`` (``readers``, ``prefetch``, ``force``)."""
+                 dtype: str = "bfloat16", load_options: dict | None = None, workload: str = "corpus", seed: int = 0,
+                 temperature: float = 1.0) -> Path:
+    """Serve ``prompts`` through the runtime with a trace on (``workload``: ``corpus``, teacher
+    forcing of the texts, the default; ``greedy``; ``sample`` at ``temperature``, the seed set
+    before each prompt); returns the trace path. ``load_options``: more keyword arguments of
+    ``load`` (``readers``, ``prefetch``, ``force``)."""
     import torch
 
     from zipmoe.machine import torch_threads
@@ -76,18 +113,26 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
 
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
                       **load_kwargs(dtype), **(load_options or {}))
-    if tok is None:
-        raise UsageError(f"{path} has no tokenizer: record a trace with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
+    if tok is None and workload != "corpus":
+        raise UsageError(f"{path} has no tokenizer: calibrate with the corpus workload (hashed word ids), or record a trace "
+                         "with `zipmoe chat --trace-out` or `bench` instead of --calibrate")
+    rows = calibration_inputs(tok, model.config.to_dict(), prompts, workload, max_new_tokens)
+    pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     fd, trace = tempfile.mkstemp(prefix="zipmoe-calib-", suffix=".jsonl")
     os.close(fd)
     rt = model.zipmoe
     rt.start_trace(trace)
     try:
         with torch.inference_mode():
-            for prompt in prompts:
-                ids = encode(tok, prompt).to(model.device)
-                generate_ids(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            for i, (prompt, forced) in enumerate(rows):
+                ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
+                kw = {}
+                if workload == "sample":
+                    torch.manual_seed(int(seed) + i)
+                    kw = {"temperature": float(temperature)}
+                generate_ids(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens if forced is not None else 0, do_sample=workload == "sample",
+                             pad_token_id=pad, forced=[forced] if forced is not None else None, **kw)
     finally:
         rt.stop_trace()
     _write_prediction(Path(trace), rt)

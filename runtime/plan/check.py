@@ -1,13 +1,16 @@
 """Measured against predicted: serve prompts under a plan (and its single-pool alternatives).
 
-    python -m zipmoe.runtime.plan.check M.zmoe --plan plan.json [--prompts builtin|FILE]
-        [--tokens 32] [--alternatives] [--json] [--json-out FILE] [--workers N] [--device cpu]
-        [--no-cascade] [--alternative NAME ...]
+    python -m zipmoe.runtime.plan.check M.zmoe --plan plan.json [--prompts builtin|corpus|FILE]
+        [--workload corpus|sample|greedy] [--seed N] [--tokens 32] [--alternatives] [--json]
+        [--json-out FILE] [--workers N] [--device cpu] [--no-cascade] [--alternative NAME ...]
 
 For each plan (the chosen one, and with ``--alternatives`` every single-pool plan recorded in
 plan.json's ``alternatives``), the model is loaded with the plan's budget and pools, the
 prompts are served once to warm the cache (the runtime's pools converge to the most used
-experts), then served again greedily while the decode steps are timed (a streamer stamps each
+experts), then served again while the decode steps are timed (``--workload``: ``corpus``,
+the default, teacher-forces the bundled passages or the ``--prompts`` texts, as ``zipmoe plan
+--calibrate`` does; ``greedy`` answers the short built-in prompts greedily, the old behaviour;
+``sample`` samples them at temperature 1.0 with ``--seed``) (a streamer stamps each
 token; the prefill is excluded) and the runtime's counters are read. Printed per plan:
 predicted and measured time per output token (median decode step; also the 10th percentile,
 the least disturbed by other processes on a shared machine), their ratio, and the
@@ -18,8 +21,9 @@ in the pools below: the policy before 2026-11-30), for the ablation in docs/benc
 beside the chosen one. Each row also keeps the timed pass's read counters (reads, bytes and
 seconds per cache state, fresh read buffers) and stage times, to see where a plan's time went.
 
-Use the same prompts as the trace the plan was made from (``zipmoe plan --calibrate builtin``
-and ``--prompts builtin`` here), so that the activation statistics match.
+Use the same prompts and workload as the trace the plan was made from (``zipmoe plan
+--calibrate builtin`` and ``--prompts builtin`` here, both the corpus by default), so that the
+activation statistics match.
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ __all__ = ["measure_plan", "main"]
 
 
 def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers: int | None = None,
-                 device: str = "cpu", cascade: bool = True) -> dict:
-    """Serve ``prompts`` under ``plan`` (a plan.json dict); measured TPOT, hits, layer makespans."""
+                 device: str = "cpu", cascade: bool = True, workload: str = "corpus", seed: int = 0) -> dict:
+    """Serve ``prompts`` under ``plan`` (a plan.json dict) with ``workload`` (calibrate.py's
+    :func:`~zipmoe.runtime.plan.calibrate.calibration_inputs`); measured TPOT, hits, layer makespans."""
     import torch
 
     from zipmoe.machine import torch_threads
-    from zipmoe.runtime.plan.calibrate import encode, load_kwargs
+    from zipmoe.runtime.plan.calibrate import calibration_inputs, load_kwargs
     from zipmoe.runtime.engine.counters import DecodeClock
     from zipmoe.runtime.engine.loader import load
     from zipmoe.runtime.engine.loop import generate_ids
@@ -54,17 +59,23 @@ def measure_plan(path, plan: dict, prompts: list[str], tokens: int = 32, workers
     if not cascade:
         rt.cache.demote = None
     units = max(1, len(next(iter(rt.expert_tensors.values()))))
+    rows = calibration_inputs(tok, model.config.to_dict(), prompts, workload, tokens)
 
     def serve(timed: bool):
         gaps = []
         total = None
-        for p in prompts:
-            ids = encode(tok, p).to(model.device)
+        for i, (prompt, forced) in enumerate(rows):
+            ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
             clock = DecodeClock(rt.counters) if timed else None
+            kw = {}
+            if workload == "sample":
+                torch.manual_seed(int(seed) + i)
+                kw = {"temperature": 1.0}
             with torch.inference_mode():
-                generate_ids(model, ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens,
-                              max_new_tokens=tokens, streamer=clock,
-                              pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None))
+                generate_ids(model, ids, attention_mask=torch.ones_like(ids), do_sample=workload == "sample",
+                             min_new_tokens=tokens, max_new_tokens=tokens, streamer=clock,
+                             pad_token_id=getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None),
+                             forced=[forced] if forced is not None else None, **kw)
             if timed:
                 d = clock.delta()
                 total = d if total is None else _add(total, d)
@@ -108,7 +119,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zipmoe.runtime.plan.check", description=__doc__.splitlines()[0])
     ap.add_argument("container")
     ap.add_argument("--plan", required=True)
-    ap.add_argument("--prompts", default="builtin")
+    ap.add_argument("--prompts", default="builtin", help="builtin (or corpus): the workload's built-in texts; or a file, one per line")
+    ap.add_argument("--workload", default="corpus", choices=("corpus", "sample", "greedy"),
+                    help="corpus: teacher-force the texts (default); sample: temperature 1.0, --seed; greedy: argmax")
+    ap.add_argument("--seed", type=int, default=0, help="the sample workload's seed")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--alternatives", action="store_true")
     ap.add_argument("--alternative", action="append", default=[], metavar="NAME",
@@ -144,7 +158,7 @@ def _check(a) -> int:
         raise ValueError(f"{a.plan} is not a plan.json from `zipmoe plan`")
     from zipmoe.runtime.plan.calibrate import read_prompts
 
-    prompts = read_prompts(a.prompts)
+    prompts = read_prompts(a.prompts, a.workload)
     plans = [("chosen", plan)]
     alts = plan.get("alternatives", {})
     unknown = [n for n in a.alternative if n not in alts]
@@ -159,7 +173,8 @@ def _check(a) -> int:
                                  "expected_layer_makespan_s": alt["expected_layer_makespan_s"]}))
     rows = []
     for name, p in plans:
-        m = measure_plan(a.container, p, prompts, a.tokens, a.workers, a.device, cascade=not a.no_cascade)
+        m = measure_plan(a.container, p, prompts, a.tokens, a.workers, a.device, cascade=not a.no_cascade,
+                         workload=a.workload, seed=a.seed)
         rows.append({"plan": name, "cascade": not a.no_cascade, "pools": p["pools"], "predicted_tpot_s": p["expected_tpot_s"],
                      "measured_tpot_s": m["tpot_s"], "measured_tpot_p10_s": m["tpot_p10_s"],
                      "ratio": m["tpot_s"] / p["expected_tpot_s"],
@@ -168,7 +183,8 @@ def _check(a) -> int:
                      "counters": m["counters"]})
         if a.json_out:  # after every plan: a long check that is cut short keeps what it measured
             with open(a.json_out, "w", encoding="utf-8") as f:
-                json.dump({"container": a.container, "plan": a.plan, "device": a.device, "tokens": a.tokens, "rows": rows}, f, indent=2)
+                json.dump({"container": a.container, "plan": a.plan, "device": a.device, "tokens": a.tokens,
+                           "workload": a.workload, "rows": rows}, f, indent=2)
         if not a.json:
             r = rows[-1]
             hits = lambda h: "·".join(f"{h[s]:.2f}" for s in STATES)  # noqa: E731
