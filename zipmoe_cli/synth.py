@@ -10,7 +10,7 @@ import typer
 HELP = """Write a checkpoint that transformers loads offline.
 
 [bold]zipmoe synth FAMILY -o DIR[/bold] writes random weights with a real model's shapes
-(trained-like scales, skewed routers); [bold]zipmoe synth demo -o DIR[/bold] upcycles
+(trained-like scales, routers with a trained model's expert popularity); [bold]zipmoe synth demo -o DIR[/bold] upcycles
 SmolLM2-135M-Instruct into a Mixtral MoE that chats; [bold]zipmoe synth --list[/bold] shows
 families and presets."""
 
@@ -20,12 +20,14 @@ def synth(
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (must be empty unless --force)."),
     preset: str = typer.Option("tiny", "--preset", "-p", help="Preset name (see --list)."),
     seed: int = typer.Option(0, "--seed", help="Random seed: same family, preset and seed give identical files."),
-    skew: float = typer.Option(1.0, "--skew", help="Expert popularity skew (Zipf exponent; 0 = uniform)."),
+    routing: Optional[str] = typer.Option(None, "--routing", help="natural: a trained model's expert popularity (default, except for the tiny presets); skewed: Zipf exponent --skew (the tiny presets' default)."),
+    skew: Optional[float] = typer.Option(None, "--skew", help="Zipf exponent of expert popularity for --routing skewed (default 1; 0 = uniform); implies --routing skewed."),
     dtype: str = typer.Option("bf16", "--dtype", help="Tensor dtype (bf16 only)."),
     layout: str = typer.Option("split", "--layout", help="split: one tensor per expert (the family's usual names); fused: transformers-5 gate_up_proj/down_proj."),
     dist: str = typer.Option("normal", "--dist", help="Weight distribution: normal or student-t (heavier tails)."),
     experts: Optional[int] = typer.Option(None, "--experts", help="demo only: experts per layer (default 8)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="demo only: experts per token (default 2)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N decoder layers of the preset (its real shapes, a smaller model)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
     list_: bool = typer.Option(False, "--list", help="List families and presets with parameter counts and sizes."),
 ) -> None:
@@ -44,8 +46,12 @@ def synth(
     if family == "demo":
         from zipmoe.runtime.synth import build_demo
 
+        if layers is not None:
+            raise UsageError("--layers belongs to the family presets, not the demo")
+        if routing is not None:
+            raise UsageError("--routing belongs to the family presets; the demo's routers are calibrated (--skew)")
         r = build_demo(out, experts=8 if experts is None else experts, top_k=2 if top_k is None else top_k,
-                       seed=seed, skew=skew, force=force)
+                       seed=seed, skew=1.0 if skew is None else skew, force=force)
         from zipmoe.units import format_size
 
         console.print(f"wrote {r.path}: demo MoE upcycled from SmolLM2-135M-Instruct, {r.experts} experts, "
@@ -56,7 +62,8 @@ def synth(
         raise UsageError("--experts and --top-k belong to `zipmoe synth demo`; a family preset fixes them")
     from zipmoe.runtime.synth import write
 
-    r = write(family, out, preset=preset, seed=seed, skew=skew, layout=layout, dtype=dtype, force=force, dist=dist)
+    r = write(family, out, preset=preset, seed=seed, skew=skew, layout=layout, dtype=dtype, force=force, dist=dist,
+              routing=routing, layers=layers)
     _print_result(console, r)
 
 
@@ -92,6 +99,10 @@ def _print_result(console, r) -> None:
     console.print(f"wrote {r.path}: {r.family}/{r.preset}, {_count(r.params)} parameters, "
                   f"{format_size(r.nbytes)} bf16 in {r.seconds:.1f} s "
                   f"({r.nbytes / max(r.seconds, 1e-9) / 1e6:.0f} MB/s)")
+    if r.routing == "natural":
+        console.print(f"routing natural: Zipf exponent {r.skew} (a trained model's per-layer selection entropy)")
+    else:
+        console.print(f"routing skewed: Zipf exponent {r.skew}")
     console.print(f"exponent entropy (bits, sample): per tensor {r.entropy('per_tensor'):.3f}, "
                   f"experts {r.entropy('expert'):.3f}, all tensors pooled {r.entropy('all'):.3f}")
     hist = r.exp_hist["all"]

@@ -15,7 +15,9 @@ w2, wo), times a per-tensor log-normal jitter (trained tensors differ in scale).
 are 1 + small noise. The embeddings share a common direction (the "mean hidden state" that
 trained models have); routers get a bias along that direction whose size follows a Zipf-like
 profile over a random ranking of the experts, so that a few experts per layer are hot
-(``skew`` is the Zipf exponent; 0 gives uniform popularity).
+(``skew`` is the Zipf exponent; 0 gives uniform popularity). Routing ``natural`` picks the
+exponent that gives a trained model's per-layer selection entropy (``natural_skew``);
+``skewed`` uses the exponent given (default 1).
 """
 
 from __future__ import annotations
@@ -180,6 +182,51 @@ def router(name: str, shape: tuple, rng: np.random.Generator, ctx: Context, jitt
         beta = -ctx.skew * math.log(rank + 1.0)
         w[e] += beta / (cos * math.sqrt(hidden)) * u
     return bf16_bits(w).reshape(-1)
+
+
+ROUTINGS = ("natural", "skewed")
+#: Logit noise of the idealised router that ``natural_skew`` solves for: the router rows give a
+#: normalised hidden state logits ~ N(0, 1) besides the bias (see ``router``).
+_NATURAL_SIGMA = 1.0
+_NATURAL_DRAWS = 8192
+
+
+@functools.lru_cache(maxsize=64)
+def _natural_noise(experts: int) -> np.ndarray:
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([0x5A1B, experts])))
+    return _NATURAL_SIGMA * rng.standard_normal((_NATURAL_DRAWS, experts))
+
+
+def selection_entropy(skew: float, experts: int, top_k: int) -> float:
+    """Entropy (bits) of the top-k selection distribution of the idealised router: logits
+    ``-skew * ln(rank + 1) + N(0, 1)`` per token, iid (a fixed sample of 8,192 tokens)."""
+    beta = -skew * np.log(np.arange(experts, dtype=np.float64) + 1.0)
+    logits = _natural_noise(experts) + beta
+    k = min(top_k, experts)
+    top = np.argpartition(-logits, k - 1, axis=1)[:, :k] if k < experts else np.tile(np.arange(experts), (len(logits), 1))
+    p = np.bincount(top.reshape(-1), minlength=experts) / top.size
+    nz = p[p > 0]
+    return float(-(nz * np.log2(nz)).sum())
+
+
+@functools.lru_cache(maxsize=64)
+def natural_skew(experts: int, top_k: int, target: float) -> float:
+    """The Zipf exponent whose idealised selection entropy is ``target`` x log2(experts)
+    (``target`` is the normalised entropy, 1 = uniform), by bisection; rounded to 1e-4 so the
+    written bytes do not hang on the last bits of a float. Deterministic."""
+    if not 0.0 < target <= 1.0:
+        raise UsageError(f"natural routing needs a normalised entropy in (0, 1], got {target}")
+    want = target * math.log2(experts)
+    lo, hi = 0.0, 4.0
+    if selection_entropy(lo, experts, top_k) <= want:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if selection_entropy(mid, experts, top_k) > want:
+            lo = mid
+        else:
+            hi = mid
+    return round((lo + hi) / 2, 4)
 
 
 def exponent_histogram(u16: np.ndarray, step: int = 1) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -24,7 +25,7 @@ from .registry import get_family
 from .family import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, DiskTensor, tensor_plan
 from .shards import MAX_SHARD_BYTES, ShardWriter, index_json, plan_shards
 from .tokenizer import save_tokenizer
-from .weights import DISTRIBUTIONS, Context, entropy_bits, exponent_histogram, generate
+from .weights import DISTRIBUTIONS, ROUTINGS, Context, entropy_bits, exponent_histogram, generate, natural_skew
 
 #: Headroom on top of the tensor bytes for the free-space check (json, tokenizer, filesystem).
 SPACE_MARGIN = 64 << 20
@@ -41,6 +42,8 @@ class SynthResult:
     seconds: float
     exp_hist: dict = field(default_factory=dict)  # role ("expert", "dense", "all") -> np.ndarray[256]
     tensor_entropy: float = 0.0  # byte-weighted mean of each tensor's own exponent entropy
+    routing: str = "skewed"  # "natural" | "skewed"
+    skew: float = 1.0  # the Zipf exponent used (solved for routing "natural")
 
     def entropy(self, role: str = "all") -> float:
         """Exponent-byte entropy (bits) of a sample of the written values: ``per_tensor`` (what
@@ -107,18 +110,23 @@ def write(
     out_dir,
     preset: str = "tiny",
     seed: int = 0,
-    skew: float = 1.0,
+    skew: float | None = None,
     layout: str = "split",
     dtype: str = "bf16",
     force: bool = False,
     *,
+    routing: str | None = None,
     dist: str = "normal",
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: bool = True,
+    layers: int | None = None,
 ) -> SynthResult:
     """Write the synthetic checkpoint ``family``/``preset`` into ``out_dir``.
 
-    ``skew`` is the Zipf exponent of expert popularity (0 = uniform); ``layout`` is ``split``
+    ``routing`` is ``natural`` (the Zipf exponent that gives a trained model's per-layer
+    selection entropy for this preset's expert count and top-k) or ``skewed`` (exponent
+    ``skew``, default 1; 0 = uniform). Left out: ``skewed`` when ``skew`` is given or the
+    preset is ``tiny``, else ``natural``. ``layout`` is ``split``
     (one tensor per expert and projection, the family's usual names) or ``fused``
     (transformers-5 ``mlp.experts.gate_up_proj`` / ``down_proj``); ``dist`` is ``normal`` or
     ``student-t`` (heavier tails). Same arguments, same bytes.
@@ -129,6 +137,14 @@ def write(
         raise UsageError(f"unsupported dtype {dtype!r}: synthetic checkpoints are bf16")
     if dist not in DISTRIBUTIONS:
         raise UsageError(f"unknown distribution {dist!r}: use one of {', '.join(DISTRIBUTIONS)}")
+    if routing is None:
+        routing = "skewed" if skew is not None else fam.default_routing(preset)
+    if routing not in ROUTINGS:
+        raise UsageError(f"unknown routing {routing!r}: use natural or skewed")
+    if routing == "natural" and skew is not None:
+        raise UsageError("--skew sets the exponent of --routing skewed; --routing natural solves its own")
+    if skew is None:
+        skew = 1.0
     if not skew >= 0:
         raise UsageError(f"--skew must be 0 or more, got {skew}")
     if seed < 0:
@@ -137,6 +153,26 @@ def write(
     _check_output(out_dir, force)
 
     config = fam.config(preset)
+    if layers is not None:
+        full = getattr(config, "num_hidden_layers", None)
+        if getattr(config, "is_encoder_decoder", False) or not isinstance(full, int):
+            raise UsageError(f"--layers applies to decoder-only families; {fam.name} has no num_hidden_layers to cut")
+        if not 1 <= int(layers) <= full:
+            raise UsageError(f"--layers must be between 1 and {full} (the {preset} preset's layers), got {layers}")
+        config.num_hidden_layers = int(layers)
+        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
+            v = getattr(config, key, None)
+            if isinstance(v, list) and key == "layer_types":
+                setattr(config, key, v[:int(layers)])
+            elif isinstance(v, list):
+                setattr(config, key, [i for i in v if i < int(layers)])
+    natural = None
+    if routing == "natural":
+        from .family import routed_experts
+
+        experts, top_k = routed_experts(config)
+        skew = natural_skew(experts, top_k, round(fam.natural_entropy, 6))
+        natural = round(fam.natural_entropy * math.log2(experts), 4)
     plan: list[DiskTensor] = tensor_plan(fam, config, layout=layout, dist=dist)
     total = sum(t.nbytes for t in plan)
     check_space(out_dir, total + SPACE_MARGIN)
@@ -146,6 +182,10 @@ def write(
         "note": "synthetic weights drawn by `zipmoe synth`: the shapes of a real model, not a trained one",
         "family": fam.name, "preset": preset, "seed": seed, "skew": skew, "layout": layout, "dist": dist,
     }
+    if layers is not None:
+        config.zipmoe_synth["layers"] = int(layers)
+    if natural is not None:  # (the skewed block stays as it was, so old outputs keep their bytes)
+        config.zipmoe_synth.update(routing="natural", target_entropy_bits=natural)
     hidden = getattr(config, "hidden_size", None) or config.d_model
     from .family import num_layers
 
@@ -165,7 +205,7 @@ def write(
         config.save_pretrained(str(tmp))
         generation_config(config, fam.name).save_pretrained(str(tmp))
         save_tokenizer(tmp)
-        (tmp / "README.md").write_text(_readme(fam.name, preset, seed, skew, layout, dist, config))
+        (tmp / "README.md").write_text(_readme(fam.name, preset, seed, skew, layout, dist, config, natural))
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
@@ -203,13 +243,15 @@ def write(
         raise
     params = total // 2
     return SynthResult(out_dir, fam.name, preset, params, total, files, time.perf_counter() - t0, hist,
-                       weighted / max(total, 1))
+                       weighted / max(total, 1), routing, skew)
 
 
-def _readme(family, preset, seed, skew, layout, dist, config) -> str:
+def _readme(family, preset, seed, skew, layout, dist, config, natural=None) -> str:
+    how = (f"--routing natural --layout {layout}` (Zipf exponent {skew}: a selection entropy of {natural} bits "
+           "per layer in the idealised router)" if natural is not None else f"--skew {skew} --layout {layout}`")
     return (
         f"# Synthetic {family} checkpoint ({preset})\n\n"
-        f"Written by `zipmoe synth {family} --preset {preset} --seed {seed} --skew {skew} --layout {layout}`"
+        f"Written by `zipmoe synth {family} --preset {preset} --seed {seed} {how}"
         f" (weights: {dist}).\n\nThe shapes and names are those of the real model family; the weights are random,"
         " drawn with trained-like scales and a skewed router. It is not a trained model: its text is noise.\n"
     )
