@@ -47,10 +47,11 @@ def _run(args, capsys):
 
 def _profile(path, cid, tmp_path, **changes):
     """A profile that matches this machine and file, with realistic costs (no measuring)."""
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, machine_info
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, machine_info
 
     prof = {
         "format": PROFILE_FORMAT,
+        "revision": PROFILE_REVISION,
         "machine": machine_info("cpu"),
         "container": container_info(path, cid),
         "disk": {"method": "O_DIRECT"},

@@ -160,6 +160,10 @@ def chat(
 
     if not quiet:
         err.print(f"loading {file} …", style="dim", markup=False)
+    from zipmoe_cli.default_plan import keep_usage, resolve
+
+    plan = resolve(file, plan, budget_bytes, device, workers, engine_options, dtype,
+                   say=None if quiet else (lambda line: err.print(line, style="dim", markup=False)))
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
                             warm=warm, trace=trace_out, dtype=dtype, kernels=kernels, **engine_options)
     rt = model.zipmoe
@@ -260,4 +264,5 @@ def chat(
             history.append({"role": "assistant", "content": res.text})
             err.print(stats_line(res.stats) + note_of(res), style="dim", markup=False)
     finally:
+        keep_usage(rt)
         rt.close()

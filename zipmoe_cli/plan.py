@@ -42,7 +42,8 @@ def plan(
     path: Path = typer.Argument(..., metavar="FILE.zmoe", help="The .zmoe container."),
     budget: str = typer.Option(None, "--budget", "-b", metavar="SIZE", help="Memory for weights: 24G, 24GiB, 512M, 1.5T or bytes."),
     trace: list[Path] = typer.Option(None, "--trace", metavar="FILE", help="Activation trace (JSON lines) from `chat --trace-out` or `bench`; repeatable."),
-    calibrate: str = typer.Option(None, "--calibrate", metavar="PROMPTS", help="Record a trace by running the model on PROMPTS (a file, one prompt per line, or `builtin`)."),
+    calibrate: str = typer.Option(None, "--calibrate", metavar="PROMPTS", help="Record a trace by running the model on PROMPTS: `builtin` (or `corpus`: the bundled passages, teacher-forced) or a file, one text per line."),
+    calibrate_workload: str = typer.Option("corpus", "--calibrate-workload", metavar="corpus|sample|greedy", help="How --calibrate decodes: corpus (teacher-force the texts, the default), sample (temperature 1.0, seed 0) or greedy (the short built-in prompts answered greedily: a random-weight model loops)."),
     profile: Path = typer.Option(None, "--profile", metavar="FILE", help="Hardware profile JSON: used if it exists (must match this machine and file), else measured and written there."),
     profile_only: bool = typer.Option(False, "--profile-only", help="Only measure (or show) the hardware profile."),
     remeasure: bool = typer.Option(False, "--remeasure", help="Measure the profile again even if a matching one exists."),
@@ -93,13 +94,13 @@ def plan(
             from_traces(traces, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
                         layers=layout.sparse_layers)
         if calibrate is not None:
-            prompts = read_prompts(calibrate)
+            prompts = read_prompts(calibrate, calibrate_workload)  # an unknown workload is one line
             if not as_json:
                 err.print("[dim]calibrating: running the model on the prompts with a trace...[/dim]")
             if calibrate_tokens < 1:
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
             traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype,
-                                       load_options=engine_options))
+                                       load_options=engine_options, workload=calibrate_workload))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:
@@ -173,6 +174,8 @@ def plan(
     if dev.startswith("cuda"):
         con.print("[dim]the full pool lives in GPU memory, the other pools in host memory; the budget counts both (and the pinned staging ring)[/dim]")
     _table(result, con)
+    for line in result.get("explain") or []:  # the arithmetic behind the choice (runtime/plan/planner.py)
+        con.print(line, markup=False, highlight=False)
     singles = [v["expected_tpot_s"] for k, v in result["alternatives"].items() if k != "no cache"]
     if singles and min(singles) > 0:
         gain = min(singles) / result["expected_tpot_s"]

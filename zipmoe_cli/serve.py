@@ -103,6 +103,10 @@ def serve(
          f"listening on http://{shown}:{actual_port}")
 
     from zipmoe.runtime.server.app import ServeConfig, ServerState, build_app
+    from zipmoe_cli.default_plan import keep_usage, resolve
+
+    plan = resolve(file, plan, budget_bytes, device, workers, engine_options, dtype,
+                   say=lambda line: _say(f"zipmoe serve: {line}"))
 
     cfg = ServeConfig(file=file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
                       dtype=dtype, warm=warm, model_name=model_name or file.stem, api_key=api_key,
@@ -139,6 +143,8 @@ def serve(
     finally:
         sock.close()
         state.stop()  # after a forced exit the lifespan's shutdown may not have run: cancel, end the model thread
+        if getattr(state, "model", None) is not None and getattr(state.model, "zipmoe", None) is not None:
+            keep_usage(state.model.zipmoe)
     if state.load_error is not None:
         raise state.load_error
     _say("zipmoe serve: stopped")

@@ -41,7 +41,8 @@ ENGINES: dict[str, EngineSpec] = {
     e.name: e
     for e in (
         EngineSpec("zipmoe", "zipmoe", "container", True, None, "zipmoe runtime with plan (+planning)"),
-        EngineSpec("zipmoe-pools", "zipmoe", "container", True, None, "ablation: heterogeneous pools, default split, no plan"),
+        EngineSpec("zipmoe-default", "zipmoe", "container", True, None, "zipmoe without --plan: the plan chat and serve fit at load (runtime/plan/default.py)"),
+        EngineSpec("zipmoe-pools", "zipmoe", "container", True, None, "ablation: heterogeneous pools, the runtime's fixed 60/40 split, no plan"),
         EngineSpec("zipmoe-basic", "zipmoe", "container", True, None, "ablation: basic eviction only (full-tensor pool)"),
         EngineSpec("zipmoe-noprefetch", "zipmoe", "container", True, None, "ablation: the plan without prefetch across layers"),
         EngineSpec("uncompressed", "zipmoe", "raw_container", True, None, "zipmoe runtime on a codec-raw container (no compression)"),
@@ -62,7 +63,8 @@ ABLATIONS = ("zipmoe-basic", "zipmoe-pools", "zipmoe-noprefetch", "zipmoe")
 FULL_ONLY_PLAN = {"pools": {"full": 1 << 60, "compressed": 0, "sm_only": 0, "e_only": 0}}
 ENGINE_PLAN: dict[str, str] = {
     "zipmoe": "user",  # --plan plan.json (or the runtime's default split when none is given)
-    "zipmoe-pools": "default",  # the runtime's default heterogeneous split
+    "zipmoe-default": "fitted",  # the default plan of chat and serve, fitted at load (profile + earlier runs' statistics)
+    "zipmoe-pools": "default",  # the runtime's own heterogeneous split (zipmoe.load without a plan)
     "zipmoe-basic": "full_only",  # basic eviction only: one pool of full bf16 tensors
     "zipmoe-noprefetch": "user",  # the plan, prefetch across layers off
     "uncompressed": "full_only",  # codec raw: a "compressed" entry would be as large as a full one
@@ -223,10 +225,22 @@ def load_engine(spec: dict):
         if spec.get("trace") and name == "zipmoe":
             kwargs["trace"] = spec["trace"]  # activation trace for `zipmoe plan --trace`
         path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]
-        plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
+        line = None
+        if ENGINE_PLAN[name] == "fitted":
+            from zipmoe.machine import decode_workers
+            from zipmoe.runtime.plan.default import default_plan
+
+            plan, line = default_plan(path, int(spec["budget"]), device, decode_workers(), spec.get("cache_dir"),
+                                      readers=spec.get("readers"), profile_path=spec.get("profile"))
+        else:
+            plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
         model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)
         rt = getattr(model, "zipmoe", None)
-        info = {"path": str(path), "plan": plan if not isinstance(plan, dict) else "full-tensor pool only"}
+        info = {"path": str(path), "plan": plan if not isinstance(plan, dict) else (plan.get("source") or "full-tensor pool only")}
+        if line:
+            info["default_plan"] = line
+            if isinstance(plan, dict) and plan.get("pools"):
+                info["default_plan_pools"] = plan["pools"]
         if rt is not None and hasattr(rt, "describe"):
             try:
                 info["runtime"] = rt.describe()

@@ -34,8 +34,9 @@ from zipmoe.errors import BudgetError, UsageError, ZipmoeError
 from zipmoe.machine import cpu_model, resolve_device
 from zipmoe.runtime.bench import cgroup, cold, engines, report
 from zipmoe.runtime.bench.merge import merge_runs
-from zipmoe.runtime.bench.inputs import (load_tokenizer, make_cases, run_context, prepare_raw_container, prepare_source,
-                                         read_prompts, tokenize)
+from zipmoe.runtime.bench.inputs import (corpus_ids, load_tokenizer, make_cases, run_context, prepare_raw_container,
+                                         prepare_source, read_prompts, tokenize)
+from zipmoe.runtime.plan.workload import check_workload
 from zipmoe.runtime.bench.procs import kill_tree
 from zipmoe.units import format_size
 
@@ -70,7 +71,10 @@ class BenchConfig:
     profile: Path | None = None
     trace_out: Path | None = None
     prompt_tokens: int = 64
-    seed: int = 0
+    seed: int = 0  # the synthetic prompt ids of a model without tokenizer (greedy / sample workloads)
+    workload: str = "corpus"  # corpus (teacher-forced text), sample or greedy: runtime/plan/workload.py
+    sample_seed: int = 0  # --seed: the sample workload's torch seed (set before every run)
+    temperature: float = 1.0  # --temperature: the sample workload's
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
     engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
     # the zipmoe engines' zipmoe.load overrides (None: the engine's default; zipmoe-noprefetch turns prefetch off anyway)
@@ -325,6 +329,7 @@ def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
 def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict, list[str]]:
     """Run everything; returns (the out.json document, errors as one-line strings)."""
     errors: list[str] = []
+    check_workload(cfg.workload)
     device = resolve_device(cfg.device)
     for eng in cfg.engines:
         engines.engine(eng)
@@ -352,6 +357,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     doc.setdefault("configs", []).append({
         "engines": cfg.engines, "budgets": cfg.budgets, "batches": cfg.batches, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
         "cold": cfg.cold, "plan": str(cfg.plan) if cfg.plan else None, "time_limit_s": cfg.time_limit_s, "threads": cfg.threads,
+        "workload": cfg.workload, **({"seed": cfg.sample_seed, "temperature": cfg.temperature} if cfg.workload == "sample" else {}),
         **{k: v for k, v in (("readers", cfg.readers), ("prefetch", cfg.prefetch), ("deepspeed_offload", cfg.deepspeed_offload),
                              ("deepspeed_load_in_budget", cfg.deepspeed_load_in_budget or None)) if v is not None},
     })
@@ -446,11 +452,20 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         except Exception:
             pass
         tok_folder = tmp_tok
-    prompts = read_prompts(cfg.prompts_file)
-    ids, pad, origin = tokenize(prompts, load_tokenizer(tok_folder), config, cfg.prompt_tokens, cfg.seed)
-    cases = make_cases(ids, pad, cfg.batches, cfg.new_tokens)
-    doc["prompts"] = {"count": len(prompts), "source": str(cfg.prompts_file) if cfg.prompts_file else "built-in", "ids": origin,
-                      "prompt_tokens": [len(x) for x in ids]}
+    tokenizer = load_tokenizer(tok_folder)
+    forced = None
+    if cfg.workload == "corpus":  # teacher forcing: the corpus passages, or the --prompts lines as texts
+        texts = read_prompts(cfg.prompts_file) if cfg.prompts_file else None
+        ids, forced, pad, origin = corpus_ids(tokenizer, config, cfg.batches, cfg.new_tokens, texts)
+        count, where = (len(texts), str(cfg.prompts_file)) if texts else (len(ids), "built-in corpus (runtime/data/corpus.txt)")
+    else:
+        prompts = read_prompts(cfg.prompts_file)
+        ids, pad, origin = tokenize(prompts, tokenizer, config, cfg.prompt_tokens, cfg.seed)
+        count, where = len(prompts), str(cfg.prompts_file) if cfg.prompts_file else "built-in"
+    cases = make_cases(ids, pad, cfg.batches, cfg.new_tokens, workload=cfg.workload, forced=forced,
+                       temperature=cfg.temperature, seed=cfg.sample_seed)
+    doc["prompts"] = {"count": count, "source": where, "ids": origin, "prompt_tokens": [len(x) for x in ids],
+                      "workload": cfg.workload}
 
     cold_paths = [p for p in (cfg.container, raw, source, work / "offload", gguf_file) if p is not None]
     doc["cold_mode"] = cold.cold_mode_available(cold_paths, cfg.allow_drop_caches) if cfg.cold else "warm"
@@ -477,6 +492,9 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
                 "context": cfg.context or run_context(cases),
                 "readers": cfg.readers, "prefetch": cfg.prefetch,
+                # zipmoe-default fits its plan at load from this profile (or the cache's) like chat does
+                "profile": str(cfg.profile) if cfg.profile else None,
+                "cache_dir": str(cfg.cache_dir) if cfg.cache_dir else None,
                 "deepspeed_offload": cfg.deepspeed_offload, "deepspeed_load_in_budget": cfg.deepspeed_load_in_budget,
             }
             from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget

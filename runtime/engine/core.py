@@ -213,6 +213,11 @@ class Runtime:
             self.slots = SlotMap(expert_tensors, caps["full"], compute_dtype, self.device, num_experts)
             caps["full"] = self.slots.nbytes  # the arenas' bytes, at most what the split gave
         self.pools = caps
+        # whether a sparse block whose experts all sit in the full pool's device slots may run
+        # from its CUDA graph (engine/graphs.py); False: every sparse block takes the host path
+        # (the planner's passes measure what that path costs, runtime/plan/passes.py), and while
+        # a cache other than the slots' own is swapped in (the slots then hold another cache's tensors)
+        self.sparse_graphs = True
         # aging: counts halve every ``cache_age`` tokens' worth of expert uses (cache.py)
         self.cache_age = int(st.cache_age)
         self.cache = self._new_cache(caps)
@@ -260,6 +265,9 @@ class Runtime:
         """Serve from ``cache`` from now on (the planner's compressed pass); returns the old one."""
         old, self.cache = self.cache, cache
         self.fetcher.cache = cache
+        # the device slots stay hooked to the cache that made them: while another one serves,
+        # no sparse block may run from the slots (they would be hits the new cache does not have)
+        self.sparse_graphs = self.slots is None or cache is self.slots.cache
         return old
 
     @property
@@ -353,7 +361,7 @@ class Runtime:
             predict = lambda: self.predictor.predict(layer, hidden)  # noqa: E731
         if experts:
             self.fetcher.run(layer, experts, compute, predict)
-        self.counters.add_layer(layer, time.perf_counter() - t0, len(experts))
+        self.counters.add_layer(layer, time.perf_counter() - t0, experts)
 
     @contextlib.contextmanager
     def intercepted(self, fn):
@@ -375,7 +383,7 @@ class Runtime:
             self._trace.record(layer, trace_ids() if callable(trace_ids) else trace_ids)
         if experts:
             self.fetcher.account_resident(layer, experts)
-        self.counters.add_layer(layer, seconds, len(experts))
+        self.counters.add_layer(layer, seconds, experts)
 
     def warm(self) -> int:
         """Fill the full pool with experts in (layer, expert) order while it has room; returns how

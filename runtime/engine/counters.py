@@ -28,7 +28,10 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
   forward, serving thread), ``stage`` (serving thread queueing a decoded expert's copy to the
   device, and its device merge, on the copy stream: ``engine/staging.py``), ``wait`` (serving
   thread blocked on the pipeline), ``admit``
-  (serving thread placing fetched tensors in the cache pools, copies included)
+  (serving thread placing fetched tensors in the cache pools, copies included), ``host`` (the
+  serving thread's own work in a sparse layer's fetch, neither compute nor wait: lookup,
+  placement, issue, staging, admission, release, bookkeeping; ``admit`` and ``stage`` are in it;
+  divided by the fetched tensors, the host work per fetched tensor)
 * ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
   the wall time from the router's choice to the layer's output
 * ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
@@ -56,7 +59,7 @@ from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
-STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit")
+STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "host")
 
 
 class Counters:
@@ -82,6 +85,15 @@ class Counters:
         self.prediction_by_layer: dict[str, list] = {}
         self.prefetch = {"issued": 0, "used": 0, "dropped": 0, "failed": 0}
         self.staging_waits = 0
+        # every sparse layer call's experts: per layer, how often each expert was used (the
+        # activation statistics the default plan refits from, runtime/plan/default.py), and,
+        # while ``uses_log`` is a list, the calls themselves in order (layer, experts): the
+        # trace bench's diagnostics replay (Belady's MIN) without the file trace, which would
+        # turn the CUDA graphs off
+        self.uses: dict[str, dict[int, int]] = {}
+        self.uses_log: list | None = getattr(self, "uses_log", None)
+        if self.uses_log is not None:
+            self.uses_log = []
 
     # --- updates (thread-safe where called from several threads)
     def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
@@ -114,8 +126,19 @@ class Counters:
     def add_hit(self, state: str | None, n: int = 1) -> None:
         self.hits[state or "none"] += n
 
-    def add_layer(self, layer, seconds: float, experts: int) -> None:
+    def add_layer(self, layer, seconds: float, experts) -> None:
+        """One sparse layer call: its wall time and its experts (a list of ids, or their count)."""
         key = str(layer)
+        if not isinstance(experts, int):
+            ids = list(experts)
+            per = self.uses.get(key)
+            if per is None:
+                per = self.uses[key] = {}
+            for e in ids:
+                per[int(e)] = per.get(int(e), 0) + 1
+            if self.uses_log is not None:
+                self.uses_log.append((layer, tuple(int(e) for e in ids)))
+            experts = len(ids)
         rec = self.layer_makespan_s.get(key)
         if rec is None:
             rec = self.layer_makespan_s[key] = [0.0, 0, 0.0]
@@ -160,7 +183,16 @@ class Counters:
                 "prediction_by_layer": copy.deepcopy(self.prediction_by_layer),
                 "prefetch": dict(self.prefetch),
                 "staging_waits": self.staging_waits,
+                "uses": {k: dict(v) for k, v in self.uses.items()},
             }
+
+    def log_uses(self, on: bool = True) -> list | None:
+        """Start (a fresh list) or stop keeping every layer call's experts in ``uses_log``;
+        returns the log kept so far."""
+        with self._lock:
+            old = self.uses_log
+            self.uses_log = [] if on else None
+            return old
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -185,6 +217,15 @@ def delta(after: dict, before: dict) -> dict:
             b = b or {}
             out[k] = {layer: [x - y for x, y in zip(rec, b.get(layer, [0, 0, 0]))] for layer, rec in v.items()
                       if rec[1] - b.get(layer, [0, 0, 0])[1]}
+        elif k == "uses":
+            b = b or {}
+            d = {}
+            for layer, per in v.items():
+                bl = b.get(layer, {})
+                dl = {e: n - bl.get(e, 0) for e, n in per.items() if n - bl.get(e, 0)}
+                if dl:
+                    d[layer] = dl
+            out[k] = d
         elif isinstance(v, dict):
             out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
         else:

@@ -353,14 +353,14 @@ class GraphedStep:
             sp.graph.replay()  # speculative: every routed expert resident
             self._event.synchronize()
             experts = sorted(set(self._ids_host[0].tolist()))
-            if all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
+            if rt.sparse_graphs and all(0 <= e < rt.num_experts for e in experts) and self.slots.all_slotted(sp.layer, experts):
                 return self._graphed(sp, experts, t0)
         elif sp.grouped is not None:
             t0 = time.perf_counter()
             self._routing_to_host(sp)
             self._event.synchronize()
             experts, index, sizes = routed_indices(self._ids_host, rt.num_experts)
-            if len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
+            if rt.sparse_graphs and len(experts) <= sp.grouped.J and self.slots.all_slotted(sp.layer, experts):
                 sp.grouped.run(sp, experts, index, sizes, self.slots)
                 return self._graphed(sp, experts, t0)
         # the host path: the runtime's experts computation (fetches misses), its output replaces the graph's

@@ -34,7 +34,7 @@ import numpy as np
 from zipmoe.runtime.plan.simulate import Costs, makespan_for_counts
 from zipmoe.runtime.engine.states import STATES
 
-__all__ = ["POOL_ORDER", "solve_cps", "cps_inclusion", "compositions", "MakespanTable", "LayerSet"]
+__all__ = ["POOL_ORDER", "solve_cps", "cps_inclusion", "compositions", "MakespanTable", "StepTable", "LayerSet"]
 
 POOL_ORDER = STATES  # by rank, hottest first
 
@@ -138,6 +138,28 @@ class MakespanTable:
         self.values = np.array([
             makespan_for_counts(dict(zip(POOL_ORDER, map(int, c))), self.tensors, L, costs, window) for c in self.comps
         ])
+
+
+class StepTable:
+    """What a sparse layer adds to the resident decode step, for every count vector, from the
+    per-state costs measured by serving (runtime/plan/passes.py ``state_step_costs``).
+
+    ``per_expert_s[state]``: the seconds one chosen expert in ``state`` adds to a step over the
+    step with every expert a full hit (graphed where the runtime has graphs), measured with all
+    ``k`` experts of every layer in that state. A layer whose ``k`` experts are all full hits
+    adds nothing when ``graphs`` (it runs from its CUDA graph); any other layer runs the host
+    path and adds ``sum(count[state] * per_expert_s[state])``: exact on the measured pure
+    layers, linear in between (an upper bound where a mixed layer overlaps a read with a
+    decompression)."""
+
+    def __init__(self, k: int, per_expert_s: dict, graphs: bool) -> None:
+        self.k, self.graphs = int(k), bool(graphs)
+        self.per_expert_s = {s: float(per_expert_s[s]) for s in POOL_ORDER}
+        self.comps = compositions(self.k)
+        a = np.array([self.per_expert_s[s] for s in POOL_ORDER])
+        self.values = self.comps @ a
+        if self.graphs:
+            self.values[self.comps[:, 0] == self.k] = 0.0
 
 
 class LayerSet:

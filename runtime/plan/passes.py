@@ -1,18 +1,39 @@
-"""Served passes: a few greedy tokens through the runtime, read from its counters.
+"""Served passes: decode steps through the runtime itself, one cache state at a time.
 
-What a micro-benchmark cannot give (plan/profile.py says how each figure is used):
-:func:`measure_runtime` serves with every expert resident when that fits (the expert compute as
-the hook does it, the time per token outside the sparse layers, a layer's own overhead), then
-two passes that fetch every chosen expert: :func:`miss_pass` (every one a miss: read,
-decompress, merge) and :func:`compressed_pass` (every one a compressed hit: decompress and merge
-only).
+What a micro-benchmark cannot give (plan/profile.py says how each figure is used). Every pass
+feeds the same teacher-forced token stream (runtime/plan/workload.py: natural text, so the
+routing does not fall into the loop greedy decoding of a random-weight model falls into) through
+the runtime's own decode loop (runtime/engine/loop.py ``DecodeLoop``: prefill, then one
+``step`` per token, the device synchronised after each) and reads the step times and the
+runtime's counters:
+
+* ``resident``: every expert in the full pool (when that fits), sparse blocks from their CUDA
+  graphs where the runtime has them: the step time with every chosen expert a full hit,
+  ``T_resident``, and what the counters say of the expert compute and the time outside the
+  sparse layers;
+* ``full_host``: the same with every sparse block on the host path (``Runtime.sparse_graphs``
+  off; on the CPU there are no graphs and this is ``resident`` again): what a layer costs when one
+  of its experts is not a full hit and it leaves its graph;
+* ``compressed``, ``sm_only``, ``e_only``: a cache with only that pool (as large as the runtime's
+  pools) swapped in, a warm pass of the stream to admit every expert it uses, then the stream
+  again, timed: every chosen expert in that state;
+* ``none``: the cache emptied before every step: every chosen expert a miss (read, decompress,
+  merge), with the runtime's prefetch setting (so with prefetch on these are prefetched misses).
+
+:func:`state_step_costs` turns them into the planner's per-state costs: the time a sparse layer
+adds over the resident step per expert in each state (runtime/plan/model.py, ``StepCosts``).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-__all__ = ["measure_runtime", "miss_pass", "compressed_pass"]
+__all__ = ["measure_runtime", "state_pass", "state_step_costs", "forced_stream", "STATE_PASSES"]
+
+#: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
+STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
 
 
 def _mem_available() -> int:
@@ -25,33 +46,45 @@ def _mem_available() -> int:
         return 4 << 30
 
 
-def miss_pass(model, rt, prompt, tokens: int) -> dict:
-    """Decode ``tokens`` steps with the cache emptied before each: every chosen expert is read,
-    decompressed and merged as serving does it. Returns the runtime's counters of those steps
-    (mean layer makespan, experts per layer, reads of misses: count, bytes, seconds)."""
+def forced_stream(tok, config: dict, steps: int, prompt_tokens: int = 16):
+    """``(prompt [1, p] LongTensor, forced: list of ``steps`` token ids)``: the first passage of the
+    bundled corpus, teacher-forced (the same stream for every pass and every plan check)."""
     import torch
 
-    from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import generate_ids
+    from zipmoe.runtime.plan.workload import teacher_forced
 
-    # between two forward steps, forget every cached expert
-    clock = DecodeClock(rt.counters, between_steps=rt.cache.clear)
+    prompts, forced = teacher_forced(tok, config, rows=1, prompt_tokens=prompt_tokens, new_tokens=steps)
+    return torch.tensor([prompts[0]], dtype=torch.long), [int(t) for t in forced[0]]
+
+
+def _run_stream(model, rt, prompt, forced, *, between_steps=None) -> tuple[list[float], dict]:
+    """Prefill ``prompt``, then feed ``forced`` one token per step through the runtime's decode
+    loop; returns each step's wall time (device synchronised) and the counters' delta of the steps."""
+    import torch
+
+    from zipmoe.runtime.engine.counters import delta
+    from zipmoe.runtime.engine.loop import DecodeLoop
+
+    need = int(prompt.shape[1]) + len(forced) + 1
+    loop = rt.loops.get("plan-pass")
+    if loop is None or loop.context < need:
+        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+    cuda = rt.device.type == "cuda"
     with torch.inference_mode():
-        generate_ids(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                      max_new_tokens=tokens + 1, streamer=clock)
-    d = clock.delta()
-    reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
-    steps = clock.steps()
-    sparse = sum(v[0] for v in d["layer_makespan_s"].values())
-    # the time outside the sparse layers while every expert is fetched: on few cores the decode
-    # workers share them with the dense part's threads
-    dense = float(np.median(steps)) - sparse / max(1, len(steps)) if steps else None
-    return {
-        "steps": tokens,
-        "dense_s_per_token": None if dense is None else max(0.0, dense),
-        **_layer_figures(d),
-        "reads": int(reads), "read_bytes": int(read_bytes), "read_s": float(read_s),
-    }
+        loop.prefill(prompt.to(rt.device))
+        if cuda:
+            torch.cuda.synchronize()
+        before = rt.counters.snapshot()
+        times = []
+        for t in forced:
+            if between_steps is not None:
+                between_steps()
+            t0 = time.perf_counter()
+            loop.step(torch.tensor([t], dtype=torch.long))
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times, delta(rt.counters.snapshot(), before)
 
 
 def _layer_figures(d: dict) -> dict:
@@ -59,52 +92,101 @@ def _layer_figures(d: dict) -> dict:
     lm = d["layer_makespan_s"]
     layer_calls = max(1, sum(v[1] for v in lm.values()))
     return {"layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
-            "experts_per_layer": int(d["expert_calls"]) / layer_calls}
+            "experts_per_layer": int(d["expert_calls"]) / layer_calls,
+            "sparse_layers_per_step": layer_calls}
 
 
-def compressed_pass(model, rt, prompt, tokens: int) -> dict:
-    """Decode ``tokens`` steps with every chosen expert a compressed hit: a warm pass admits the
-    experts it reads to a cache that has only a compressed pool (as large as the runtime's
-    pools), then the same greedy steps again are timed. Returns the layer makespan, experts per
-    layer and the share of fetched tensors that were compressed hits."""
-    import torch
-
+def state_pass(model, rt, state: str, prompt, forced) -> dict:
+    """Serve ``forced`` with every chosen expert in ``state`` (one of :data:`STATE_PASSES`);
+    returns the median step, the layer figures, the share of expert uses in that state and, for
+    ``none``, the misses' reads (count, bytes, seconds)."""
     from zipmoe.runtime.engine.cache import ExpertCache
-    from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import generate_ids
 
-    old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
+    between, old, graphs = None, None, rt.sparse_graphs
     try:
-        kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                  max_new_tokens=tokens + 1)
-        with torch.inference_mode():
-            generate_ids(model, prompt, **kw)
-            clock = DecodeClock(rt.counters)
-            generate_ids(model, prompt, streamer=clock, **kw)
+        if state == "full_host":
+            rt.sparse_graphs = False
+            _run_stream(model, rt, prompt, forced)  # warm (every expert it uses admitted)
+        elif state in ("compressed", "sm_only", "e_only"):
+            old = rt.swap_cache(ExpertCache({state: rt.cache.capacity_bytes()}, demote=None))
+            _run_stream(model, rt, prompt, forced)  # warm: admits what the stream uses
+        elif state == "none":
+            between = rt.cache.clear
+        else:  # resident
+            _run_stream(model, rt, prompt, forced)
+        times, d = _run_stream(model, rt, prompt, forced, between_steps=between)
     finally:
-        rt.swap_cache(old)
-    d = clock.delta()
-    fetched = sum(v for k, v in d["hits"].items() if k != "full")
-    return {"steps": tokens, **_layer_figures(d), "compressed_share": d["hits"].get("compressed", 0) / max(1, fetched)}
+        if old is not None:
+            rt.swap_cache(old)
+        rt.sparse_graphs = graphs
+    steps = len(times)
+    uses = max(1, sum(d["hits"].values()))
+    want = "full" if state in ("resident", "full_host") else state
+    out = {
+        "state": state,
+        "steps": steps,
+        "step_s": float(np.median(times)) if times else None,
+        "step_s_all": [float(t) for t in times],
+        **_layer_figures(d),
+        "state_share": d["hits"].get(want, 0) / uses,
+        "hits": dict(d["hits"]),
+        "compute_s_per_expert": float(d["time_s"]["compute"]) / max(1, int(d["expert_calls"])),
+    }
+    sparse = sum(v[0] for v in d["layer_makespan_s"].values())
+    if times:  # the time outside the sparse layers, per step
+        out["dense_s_per_token"] = max(0.0, out["step_s"] - sparse / steps)
+    if state == "none":
+        reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
+        out.update(reads=int(reads), read_bytes=int(read_bytes), read_s=float(read_s))
+    if state == "compressed":
+        out["compressed_share"] = out["state_share"]
+    return out
+
+
+def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | None:
+    """The planner's per-state costs from the passes: for each state, the seconds one expert in
+    that state adds to a decode step over ``resident`` (every expert a full hit, graphed where
+    graphs exist), charged per sparse layer and per chosen expert:
+    ``(step_s[state] - step_s[resident]) / (sparse_layers * top_k)``, never below 0.
+    ``full`` is the host path's cost of a full hit (0 where there are no graphs). None when the
+    resident pass or the miss pass is missing."""
+    res = passes.get("resident") or {}
+    if not res.get("step_s") or not (passes.get("none") or {}).get("step_s"):
+        return None
+    base = float(res["step_s"])
+    per = max(1, int(sparse_layers) * int(top_k))
+    out = {"resident_step_s": base, "graphs": bool(passes.get("graphs")), "per_expert_s": {}, "measured_share": {}}
+    for state, name in (("full", "full_host"), ("compressed", "compressed"), ("sm_only", "sm_only"),
+                        ("e_only", "e_only"), ("none", "none")):
+        p = passes.get(name)
+        if name == "full_host" and p is None:
+            out["per_expert_s"]["full"] = 0.0
+            out["measured_share"]["full"] = 1.0
+            continue
+        if not p or p.get("step_s") is None:
+            continue
+        out["per_expert_s"][state] = max(0.0, (float(p["step_s"]) - base) / per)
+        out["measured_share"][state] = float(p.get("state_share", 0.0))
+    return out
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
-                    miss_tokens: int = 6, load_options: dict | None = None) -> dict:
-    """Serve a few greedy tokens through the runtime and read its counters.
+                    miss_tokens: int = 8, load_options: dict | None = None) -> dict:
+    """Serve the teacher-forced stream through the runtime, once per cache state, and read its counters.
 
-    Gives what a micro-benchmark cannot: the expert compute as the runtime's hook does it
-    (``compute_s_per_expert``: counters' compute time per expert call) and everything that is
-    not a sparse layer (``dense_s_per_token``: time per decode step minus the sparse layers'
-    makespans: attention, norms, router, the Python around them). The budget holds every expert
-    when that fits in a quarter of the free memory, else as much as does. ``load_options``: more
-    keyword arguments of ``load`` (``readers``, ``prefetch``, ``force``).
+    The budget holds every expert when that fits in a quarter of the free memory, else as much
+    as does (the state passes then hold what the pools can; ``state_share`` says how much of a
+    pass was in its state). Gives what a micro-benchmark cannot: the expert compute as the
+    runtime's hook does it (``compute_s_per_expert``: counters' compute time per expert call, on
+    the host path), everything that is not a sparse layer (``dense_s_per_token``), the layer's
+    own overhead with every expert resident, and per cache state the step it makes
+    (``states``). ``load_options``: more keyword arguments of ``load`` (``readers``,
+    ``prefetch``, ``force``).
     """
     import torch
 
     from zipmoe.machine import torch_threads
     from zipmoe.runtime.plan.calibrate import load_kwargs
-    from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import generate_ids
     from zipmoe.runtime.engine.loader import load
 
     want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
@@ -114,53 +196,49 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                       **load_kwargs(layout.dtype), **(load_options or {}))
     try:
         rt = model.zipmoe
-        prompt = torch.arange(1, 9, dtype=torch.long).unsqueeze(0)
-        if tok is not None:
-            prompt = tok("The quick brown fox jumps over the lazy dog.", return_tensors="pt")["input_ids"][:, :16]
-        prompt = prompt.to(model.device)
-        with torch.inference_mode():
-            kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=warmup, max_new_tokens=warmup)
-            generate_ids(model, prompt, **kw)
-            # two timed passes, the one with the shorter median step kept: the dense time is
-            # mostly the host launching kernels, which anything else on the machine slows
-            best = None
-            for _ in range(2):
-                clock = DecodeClock(rt.counters)
-                generate_ids(model, prompt, attention_mask=torch.ones_like(prompt), do_sample=False, min_new_tokens=tokens + 1,
-                              max_new_tokens=tokens + 1, streamer=clock)
-                steps = clock.steps()
-                if steps and (best is None or np.median(steps) < np.median(best[0])):
-                    best = (steps, clock.delta())
-        steps, d = best
-        calls = max(1, int(d["expert_calls"]))
-        lm = d["layer_makespan_s"]
-        sparse_total = sum(v[0] for v in lm.values())
-        layer_calls = sum(v[1] for v in lm.values())
-        tpot = float(np.median(steps)) if steps else 0.0
-        sparse_per_step = sparse_total / max(1, len(steps))
+        cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+        prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
+        warm, timed = forced[:warmup], forced[warmup:warmup + tokens]
+        graphs = rt.device.type == "cuda" and rt.slots is not None
+        # the warm-up: every expert the stream uses admitted, the graphs captured
+        _run_stream(model, rt, prompt, warm)
+        # the resident pass twice, the one with the shorter median step kept: the dense time is
+        # mostly the host launching kernels, which anything else on the machine slows
+        best = min((state_pass(model, rt, "resident", prompt, timed) for _ in range(2)), key=lambda p: p["step_s"])
+        passes = {"resident": best, "graphs": graphs}
+        lm, k = best["layer_makespan_s"], best["experts_per_layer"]
         out = {
             "budget": budget,
             "all_experts_resident": budget >= want,
-            "tokens": len(steps),
-            "tpot_s": tpot,
-            "compute_s_per_expert": float(d["time_s"]["compute"]) / calls,
-            "layer_makespan_s": sparse_total / max(1, layer_calls),
-            "sparse_s_per_step": sparse_per_step,
-            "dense_s_per_token": max(0.0, tpot - sparse_per_step),
+            "tokens": best["steps"],
+            "tpot_s": best["step_s"],
+            "compute_s_per_expert": best["compute_s_per_expert"],
+            "layer_makespan_s": lm,
+            "sparse_s_per_step": best["step_s"] - best["dense_s_per_token"],
+            "dense_s_per_token": best["dense_s_per_token"],
             "torch_threads": torch.get_num_threads(),
+            "workload": "corpus (teacher-forced)",
         }
-        if budget >= want and layer_calls:
+        if budget >= want and best["sparse_layers_per_step"]:
             # every expert whole: a layer's makespan is its computes plus the runtime's own work
             # around them (routing bookkeeping, cache touches, the hook): the per-layer overhead
-            per_layer_experts = int(d["expert_calls"]) / layer_calls
-            out["layer_overhead_s"] = max(0.0, out["layer_makespan_s"] - per_layer_experts * out["compute_s_per_expert"])
-        try:  # optional: a profile without it plans with the costs measured alone
-            # each pass twice, the faster kept: on a shared machine anything else only slows them
-            # (the CPU box measured the all-miss layer at 14 and at 18 ms in two profiles)
-            out["serving"] = min((miss_pass(model, rt, prompt, tokens=miss_tokens) for _ in range(2)),
-                                 key=lambda p: p["layer_makespan_s"])
-            out["serving_compressed"] = min((compressed_pass(model, rt, prompt, tokens=miss_tokens) for _ in range(2)),
-                                            key=lambda p: p["layer_makespan_s"])
+            out["layer_overhead_s"] = max(0.0, lm - k * out["compute_s_per_expert"])
+        try:  # optional: a profile without them plans with the costs measured alone
+            stream = timed[:miss_tokens]
+            if graphs:
+                passes["full_host"] = state_pass(model, rt, "full_host", prompt, stream)
+                host = passes["full_host"]
+                out["compute_s_per_expert"] = host["compute_s_per_expert"]  # the host path's (graphs count none)
+                out["layer_overhead_s"] = max(0.0, host["layer_makespan_s"] - host["experts_per_layer"] * host["compute_s_per_expert"])
+            for state in ("compressed", "sm_only", "e_only", "none"):
+                passes[state] = state_pass(model, rt, state, prompt, stream)
+            out["states"] = passes
+            # the older fits (schedule model, runtime/plan/fits.py) read these two
+            out["serving"] = passes["none"]
+            out["serving_compressed"] = passes["compressed"]
+            sc = state_step_costs(passes, layout.top_k, len(layout.decode_layers))
+            if sc is not None:
+                out["step_costs"] = sc
         except Exception as exc:  # noqa: BLE001
             out["serving_error"] = f"{type(exc).__name__}: {exc}"
         out["window"] = rt.window

@@ -17,7 +17,7 @@ from zipmoe.errors import BudgetError
 from zipmoe.units import format_size
 
 from zipmoe.runtime.plan.layout import ContainerLayout
-from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, solve_cps
+from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, StepTable, solve_cps
 from zipmoe.runtime.plan.search import POOLS, search
 from zipmoe.runtime.plan.stats import ActivationStats
 from zipmoe.runtime.plan.profile import costs_of
@@ -25,6 +25,10 @@ from zipmoe.runtime.plan.profile import costs_of
 __all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT"]
 
 PLAN_FORMAT = "zipmoe-plan/1"
+#: a mixed plan is chosen over full tensors only when it is predicted at least this much faster:
+#: the cost model is exact on the states it measured and an upper bound in between, and full
+#: tensors only is the plan that cannot be wrong-footed by a prediction (it needs no decompression)
+PREFER_FULL_MARGIN = 0.03
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
               "then sm_only, then e_only slots; the rest are misses")
 
@@ -49,9 +53,20 @@ class Planner:
             if key not in cache:
                 cache[key] = solve_cps(p, k)
             rows.append(cache[key])
-        self.table = MakespanTable(k, layout.tensors, self.workers, self.costs, window)
+        # the cost model: per-state costs measured by serving each state alone (profile
+        # "step_costs", runtime/plan/passes.py) where the profile has them, else the schedule
+        # model with the costs measured alone and fitted to two served passes (plan/fits.py)
+        sc = profile.get("step_costs") or {}
+        if all(s in (sc.get("per_expert_s") or {}) for s in POOL_ORDER) and sc.get("resident_step_s"):
+            self.step_costs = sc
+            self.cost_model = "measured states"
+            self.table = StepTable(k, sc["per_expert_s"], bool(sc.get("graphs")))
+        else:
+            self.step_costs = None
+            self.cost_model = "schedule"
+            self.table = MakespanTable(k, layout.tensors, self.workers, self.costs, window)
         self.layers = LayerSet(np.stack(rows), k, self.table)
-        self.layer_overhead = float(profile.get("costs", {}).get("layer_overhead_s") or 0.0)
+        self.layer_overhead = 0.0 if self.step_costs else float(profile.get("costs", {}).get("layer_overhead_s") or 0.0)
         measured = profile.get("costs", {}).get("dense_s_per_token")
         if measured is not None:  # served through the runtime (runtime.plan.passes.measure_runtime)
             self.dense_s, self.dense_source = float(measured), "measured"
@@ -70,6 +85,8 @@ class Planner:
         (POOL_ORDER): between the profile's dense time with every expert resident and while every
         expert is fetched, by the share of chosen experts fetched (on few cores the decode workers
         take cores from the dense part while they work)."""
+        if self.step_costs is not None:  # the resident step: every expert a full hit (layers add to it)
+            return float(self.step_costs["resident_step_s"])
         k = max(1e-12, float(sum(hits)))
         fetched = float(sum(hits)) - float(hits[0])  # everything but the full pool
         return self.dense_s + (self.dense_fetching_s - self.dense_s) * fetched / k
@@ -80,7 +97,7 @@ class Planner:
         layers (attention, norms, the dense part: ``dense_s`` spread over the layers), never more,
         and only for the share of the layer's experts that was predicted (``prefetch_recall``).
         The computes themselves are not hidden. Zero without a measured recall."""
-        if not self.prefetch_recall:
+        if not self.prefetch_recall or self.step_costs is not None:  # measured states: misses served as they are
             return np.zeros_like(expected)
         n = max(1, len(self.layout.decode_layers))
         compute = self.layout.top_k * self.costs.compute_s_per_expert
@@ -98,6 +115,37 @@ class Planner:
         """Expected seconds per output token of a plan (the search's objective)."""
         per_layer, hits, _credit = self._evaluate(slots)
         return float(per_layer.sum()) + self.dense_for(hits)
+
+    def explain(self, chosen: dict[str, int], singles: dict) -> list[str]:
+        """The arithmetic behind the choice, one line each: what one chosen expert costs in each
+        state, what a slot of each pool holds, and the chosen plan against full tensors only."""
+        lines = []
+        if self.step_costs is not None:
+            a = self.step_costs["per_expert_s"]
+            lines.append("per chosen expert, measured by serving each state alone (ms added to the "
+                         f"{1e3 * self.step_costs['resident_step_s']:.2f} ms resident step): "
+                         + ", ".join(f"{s} {1e3 * a[s]:.3f}" for s in POOL_ORDER)
+                         + ("; a layer whose experts are all full hits runs from its CUDA graph (adds 0)"
+                            if self.step_costs.get("graphs") else ""))
+            sb = self.layout.slot_bytes
+            full = sb["full"]
+            for pool in POOL_ORDER[1:-1]:
+                ratio = full / max(1, sb[pool])
+                gain = a["none"] - a[pool]
+                # one full slot's bytes hold `ratio` slots of `pool`; each hit there saves `gain`
+                # against a miss, a full hit saves a["none"] - a["full"]
+                lines.append(f"{pool}: {ratio:.2f} slots fit in one full slot's bytes; with experts equally hot they "
+                             f"save {1e3 * ratio * gain:.3f} ms against a miss where the full slot saves "
+                             f"{1e3 * (a['none'] - a['full']):.3f} ms ({'pays' if ratio * gain > a['none'] - a['full'] else 'does not pay'})")
+        fo = singles.get("full")
+        if fo is not None:
+            t_full, t_best = self.tpot_s(fo), self.tpot_s(chosen)
+            if dict(chosen) == dict(fo):
+                lines.append(f"full tensors only is the best plan found: {1e3 * t_full:.2f} ms per token predicted")
+            else:
+                lines.append(f"predicted {1e3 * t_best:.2f} ms per token against {1e3 * t_full:.2f} ms with full tensors only "
+                             f"({t_full / max(1e-12, t_best):.2f}x)")
+        return lines
 
     def describe(self, slots: dict[str, int]) -> dict:
         per_layer, hits, credit = self._evaluate(slots)
@@ -134,6 +182,9 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     per_layer = pool_bytes // n
     res = search(planner.tpot_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
                  experts=layout.num_experts)
+    full_only = res.singles.get("full")
+    if full_only is not None and res.best != full_only[0] and res.best_value > (1 - PREFER_FULL_MARGIN) * full_only[1]:
+        res.best, res.best_value = dict(full_only[0]), full_only[1]  # not enough of a gain to leave full tensors
     chosen = planner.describe(res.best)
     alternatives = {}
     for name, (slots, _) in res.singles.items():
@@ -154,6 +205,8 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "dense_source": planner.dense_source,
         "layer_overhead_s": planner.layer_overhead,
         "prefetch_recall": planner.prefetch_recall,
+        "cost_model": planner.cost_model,
+        "step_costs": planner.step_costs,
     }
     return {
         "format": PLAN_FORMAT,
@@ -185,6 +238,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "expected_prefetch_credit_s_per_token": chosen["expected_prefetch_credit_s_per_token"],
         "alternatives": alternatives,
         "search": {"evaluated": res.evaluated},
+        "explain": planner.explain(res.best, {name: slots for name, (slots, _) in res.singles.items()}),
         "profile": prof_summary,
         "trace": stats.summary(),
     }

@@ -90,6 +90,9 @@ __all__ = ["PROFILE_FORMAT", "machine_info", "machine_key", "default_profile_pat
            "load_profile", "save_profile", "check_profile", "costs_of", "get_profile"]
 
 PROFILE_FORMAT = "zipmoe-profile/1"
+#: what a cached profile must have been measured by: 2 = the served passes teacher-force the
+#: corpus and measure every cache state (``step_costs``, 2 Dec 2026); older ones are measured again
+PROFILE_REVISION = 2
 
 
 # ---------------------------------------------------------------------------------- identity
@@ -150,6 +153,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
                                   seconds=0.3 * scale, dtype=layout.dtype)
         prof = {
             "format": PROFILE_FORMAT,
+            "revision": PROFILE_REVISION,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(device),
             "container": container_info(path, reader.container_id),
@@ -188,6 +192,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         prof["costs"]["dense_s_per_token"] = dense_s
     if layer_overhead is not None:
         prof["costs"]["layer_overhead_s"] = layer_overhead
+    if (prof.get("runtime") or {}).get("step_costs"):
+        prof["step_costs"] = prof["runtime"]["step_costs"]  # the planner's measured-state cost model
     serving = (prof.get("runtime") or {}).get("serving")
     if serving and dense_s is not None and serving.get("dense_s_per_token") is not None:
         prof["costs"]["dense_s_per_token_fetching"] = max(dense_s, serving["dense_s_per_token"])
@@ -284,7 +290,8 @@ def get_profile(container_path, container_id: str, device: str = "cpu", profile_
         except UsageError:
             prof = None
         if (prof is not None and check_profile(prof, container_path, container_id, device, dtype) is None
-                and prof.get("disk", {}).get("readers") == readers):  # measured at today's queue depth
+                and prof.get("disk", {}).get("readers") == readers  # measured at today's queue depth
+                and (quick or prof.get("revision", 1) >= PROFILE_REVISION)):  # and with today's passes
             return prof, "cached"
     prof = measure(container_path, device, workers, quick=quick, dtype=dtype, readers=readers, load_options=load_options)
     try:

@@ -48,7 +48,7 @@ import numpy as np
 
 from zipmoe.errors import ModelError, UsageError
 
-__all__ = ["ActivationStats", "from_traces", "uniform", "rank_distribution", "MIN_DECODE_STEPS"]
+__all__ = ["ActivationStats", "from_traces", "from_counts", "uniform", "rank_distribution", "MIN_DECODE_STEPS"]
 
 MIN_DECODE_STEPS = 16  # fewer decode steps than this: count every token instead
 
@@ -181,3 +181,32 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
         rank_p.setdefault(l, mean.copy())
     return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, "trace",
                            tokens=max(tokens.values()), files=files, steps=steps, decode_steps=decode_steps, basis=basis)
+
+
+def from_counts(counts: dict, *, container_id: str | None, num_experts: int, top_k: int, layers: list[int],
+                calls: int = 0, source: str = "earlier runs") -> ActivationStats:
+    """Rank statistics from per-layer expert use counts (``{layer: {expert: uses}}``, one use per
+    sparse layer call that chose the expert: the runtime's ``counters.uses``, what its LFU cache
+    ranks by), as the default plan keeps them across runs (runtime/plan/default.py). Layers
+    without counts get the mean profile; no counts at all: the uniform prior."""
+    rows = {}
+    for key, per in (counts or {}).items():
+        layer = int(key)
+        if layer not in layers:
+            continue
+        c = np.zeros(num_experts, dtype=np.int64)
+        for e, n in (per or {}).items():
+            e = int(e)
+            if 0 <= e < num_experts and int(n) > 0:
+                c[e] += int(n)
+        if c.sum() > 0:
+            rows[layer] = c
+    if not rows:
+        return uniform(num_experts, top_k, layers, container_id)
+    rank_p = {l: rank_distribution(c) for l, c in rows.items()}
+    mean = np.mean(list(rank_p.values()), axis=0)
+    mean /= mean.sum()
+    for l in layers:
+        rank_p.setdefault(l, mean.copy())
+    return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, source,
+                           tokens=int(calls), steps=int(calls), basis="layer calls")

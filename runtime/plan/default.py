@@ -1,0 +1,152 @@
+"""The plan ``chat``, ``serve`` and ``bench --engine zipmoe`` use when no ``--plan`` is given.
+
+:func:`default_plan` fits one at load, without measuring anything (loading must stay quick):
+
+* the machine's cached hardware profile of this container (the one ``zipmoe plan`` measured
+  and left in the cache folder, runtime/plan/profile.py ``default_profile_path``). Without one
+  (or a stale one) there are no measured costs to weigh pools against each other, and the
+  default is **full tensors only**: the plan that needs no decompression and that every
+  measurement so far found no slower than the mixed default split (docs/benchmarks.md §22);
+* the activation statistics of earlier runs of this container: per sparse layer, how often each
+  expert was used (the runtime's ``counters.uses``), kept in ``<cache>/stats/<container id>.json``
+  and added to by :func:`record_usage` when a run ends (chat and serve call it). Until they hold
+  ``MIN_CALLS_PER_LAYER`` calls per layer the default is **full tensors only** too: the plan fitted
+  on the uniform prior put the whole budget into SM-only slots on the H200 (every expert equally
+  hot, so a full slot's CUDA-graph gain looks small) and measured 1.24x slower than full tensors
+  only at 6G (docs/benchmarks.md §22), while the plans fitted on recorded routing beat full
+  tensors only at both budgets measured. A corrupt or foreign file: a warning and a fresh start,
+  never a crash.
+
+Refit: every load fits again from the statistics kept so far, so the plan follows the routing
+as runs accumulate. ``--plan FILE`` always wins. The line :func:`default_plan` returns says which
+case it was (the CLI prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from zipmoe.units import format_size
+
+__all__ = ["STATS_FORMAT", "stats_path", "read_usage", "record_usage", "default_plan", "full_only_plan"]
+
+STATS_FORMAT = "zipmoe-stats/1"
+#: fewer recorded layer calls per sparse layer than this: the statistics are not used yet
+MIN_CALLS_PER_LAYER = 64
+
+
+def stats_path(cache_dir, container_id: str) -> Path:
+    return Path(cache_dir) / "stats" / f"{container_id}.json"
+
+
+def read_usage(path, container_id: str) -> tuple[dict, int, str | None]:
+    """``(counts {layer: {expert: uses}}, layer calls recorded, warning or None)``; a missing
+    file is empty without a warning, an unreadable one empty with one."""
+    p = Path(path)
+    if not p.exists():
+        return {}, 0, None
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
+            raise ValueError(f"not a {STATS_FORMAT} file")
+        if doc.get("container_id") != container_id:
+            raise ValueError(f"it belongs to container {doc.get('container_id')}")
+        counts = {str(int(l)): {str(int(e)): int(n) for e, n in per.items()} for l, per in doc["uses"].items()}
+        calls = int(doc.get("layer_calls", 0))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        return {}, 0, f"activation statistics {p} are unusable ({exc}); starting afresh"
+    return counts, calls, None
+
+
+def record_usage(cache_dir, container_id: str, uses: dict, calls: int) -> Path | None:
+    """Add a run's ``counters.uses`` (or a delta of two snapshots) to the kept statistics, with
+    ``calls`` the run's calls per sparse layer (``counters.layer_calls / sparse layers``); written
+    atomically. Returns the path, or None when nothing was written (no uses, unwritable folder)."""
+    if not uses or cache_dir is None:
+        return None
+    path = stats_path(cache_dir, container_id)
+    counts, kept, _warn = read_usage(path, container_id)
+    added = 0
+    for layer, per in uses.items():
+        row = counts.setdefault(str(int(layer)), {})
+        for e, n in per.items():
+            row[str(int(e))] = row.get(str(int(e)), 0) + int(n)
+            added += int(n)
+    if not added:
+        return None
+    doc = {"format": STATS_FORMAT, "container_id": container_id, "uses": counts,
+           "layer_calls": kept + int(calls)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+def full_only_plan(layout, budget: int, workers: int) -> dict:
+    """Every pool byte to full tensors (what the runtime does by itself when every expert fits)."""
+    return {"container_id": layout.container_id, "pools": {"full": int(layout.pool_bytes(budget, workers)),
+                                                           "compressed": 0, "sm_only": 0, "e_only": 0},
+            "source": "full tensors only"}
+
+
+def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, readers: int | None = None,
+                 dtype: str = "bfloat16", profile_path=None) -> tuple[dict | None, str]:
+    """``(plan or None, one line saying what it is)``. None: the runtime's own split is right
+    (every expert fits as a full tensor) or the container cannot be planned. ``profile_path``: a
+    profile file to use instead of the cache's (bench's ``--profile``), when it fits."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.errors import ZipmoeError
+    from zipmoe.runtime.plan.layout import container_layout
+    from zipmoe.runtime.plan.planner import make_plan
+    from zipmoe.runtime.plan.profile import check_profile, default_profile_path, load_profile
+    from zipmoe.runtime.plan.stats import from_counts
+
+    try:
+        with ContainerReader(path) as reader:
+            layout = container_layout(reader, dtype, device)
+    except ZipmoeError:
+        return None, "default plan: none (the container has no experts to plan)"
+    cid, dtype = layout.container_id, layout.dtype  # "auto" resolved as the runtime resolves it
+    if budget < layout.min_budget(workers):
+        return None, "default plan: none (the budget is below the model's minimum)"
+    if layout.pool_bytes(budget, workers) >= layout.total_expert_full:
+        return None, "default plan: every expert fits as a full tensor"
+    prof = None
+    if cache_dir is not None or profile_path is not None:
+        p = Path(profile_path) if profile_path is not None else default_profile_path(cid, device, dtype, cache_dir=cache_dir)
+        try:
+            prof = load_profile(p) if p.exists() else None
+        except ZipmoeError:
+            prof = None
+        if prof is not None and (check_profile(prof, path, cid, device, dtype) is not None or not prof.get("step_costs")
+                                 or (readers is not None and prof.get("disk", {}).get("readers") != readers)):
+            prof = None
+    if prof is None:
+        return (full_only_plan(layout, budget, workers),
+                "default plan: full tensors only (no profile of this machine and file cached; "
+                f"`zipmoe plan {Path(path).name} --budget {format_size(budget).replace(' ', '')}` measures one, then the pools are fitted at load)")
+    counts, calls, warn = read_usage(stats_path(cache_dir, cid), cid) if cache_dir is not None else ({}, 0, None)
+    if calls < MIN_CALLS_PER_LAYER or not counts:
+        line = ("default plan: full tensors only (no routing of this file recorded yet: the pools are fitted at load "
+                "once earlier runs have recorded it)")
+        return full_only_plan(layout, budget, workers), (warn + "\n" + line) if warn else line
+    stats = from_counts(counts, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
+                        layers=layout.sparse_layers, calls=calls)
+    try:
+        plan = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached")
+    except ZipmoeError as exc:
+        return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({exc})"
+    what = f"the activations of {calls} earlier layer calls of this file"
+    pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
+    line = (f"default plan: fitted at load from the cached profile and {what}: {pools or 'no pools'}, "
+            f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per token")
+    if warn:
+        line = warn + "\n" + line
+    plan["source"] = "default"
+    return plan, line

@@ -1,0 +1,226 @@
+"""The planner's measured-state cost model, its choice against full tensors only, and the
+default plan chat/serve/bench fit at load (runtime/plan/{model,planner,passes,default}.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zipmoe.runtime.plan.model import POOL_ORDER, StepTable, compositions
+
+
+def _layout_and_stats(skew: float = 0.0, E: int = 16, k: int = 2):
+    from zipmoe.runtime.plan.layout import ContainerLayout
+    from zipmoe.runtime.plan.stats import ActivationStats, rank_distribution
+
+    layers = [0, 1, 2, 3]
+    units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]
+    layout = ContainerLayout(path="m.zmoe", container_id="abc", file_size=0, num_layers=4, num_experts=E, top_k=k,
+                             sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
+                             expert_full_bytes=6144, expert_working=20000, max_segment=2048,
+                             total_expert_full=len(layers) * E * 6144)
+    p = rank_distribution(np.array([(r + 1.0) ** -skew for r in range(E)]) * 1000)
+    return layout, ActivationStats("abc", E, k, layers, {l: p for l in layers}, "trace")
+
+
+def _profile(per_expert: dict, graphs: bool = True, resident: float = 0.010) -> dict:
+    costs = {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+             "compute_s_per_expert": 1e-4}
+    return {"costs": costs, "step_costs": {"resident_step_s": resident, "graphs": graphs, "per_expert_s": per_expert}}
+
+
+def test_step_table_is_exact_on_pure_layers_linear_in_between_and_free_when_graphed():
+    a = {"full": 0.001, "compressed": 0.002, "sm_only": 0.003, "e_only": 0.004, "none": 0.006}
+    k = 3
+    t = StepTable(k, a, graphs=True)
+    for i, c in enumerate(compositions(k)):
+        want = 0.0 if c[0] == k else sum(n * a[s] for n, s in zip(c, POOL_ORDER))
+        assert t.values[i] == pytest.approx(want)
+    host = StepTable(k, a, graphs=False)  # no graphs (the CPU): an all-full layer costs its host path
+    assert host.values[[i for i, c in enumerate(compositions(k)) if c[0] == k][0]] == pytest.approx(3 * 0.001)
+
+
+def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_why():
+    """With compressed hits nearly as dear as misses (what the H200 measured with the mixed
+    pools), no mixed plan pays: the planner predicts it and keeps full tensors only."""
+    from zipmoe.runtime.plan.planner import make_plan
+
+    layout, stats = _layout_and_stats(skew=0.2)
+    prof = _profile({"full": 0.0002, "compressed": 0.0045, "sm_only": 0.0050, "e_only": 0.0052, "none": 0.0055})
+    budget = layout.min_budget(1) + layout.total_expert_full // 3
+    plan = make_plan(layout, budget, stats, prof, workers=1)
+    assert plan["profile"]["cost_model"] == "measured states"
+    assert plan["slots"]["per_layer"]["compressed"] == plan["slots"]["per_layer"]["sm_only"] == 0
+    assert plan["slots"]["per_layer"]["e_only"] == 0 and plan["slots"]["per_layer"]["full"] > 0
+    text = "\n".join(plan["explain"])
+    assert "full tensors only is the best plan found" in text and "compressed" in text
+    # the prediction: the resident step plus what the layers add
+    assert plan["expected_tpot_s"] > 0.010
+
+
+def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():
+    from zipmoe.runtime.plan.planner import make_plan
+
+    layout, stats = _layout_and_stats(skew=0.2)
+    prof = _profile({"full": 0.0001, "compressed": 0.0004, "sm_only": 0.0030, "e_only": 0.0040, "none": 0.0100})
+    budget = layout.min_budget(1) + layout.total_expert_full // 3
+    plan = make_plan(layout, budget, stats, prof, workers=1)
+    assert plan["slots"]["per_layer"]["compressed"] > 0
+    full_only = plan["alternatives"]["full only"]["expected_tpot_s"]
+    assert plan["expected_tpot_s"] < 0.97 * full_only
+    assert any("against" in line and "full tensors only" in line for line in plan["explain"])
+
+
+def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkeypatch):
+    from zipmoe.runtime.plan import planner
+
+    layout, stats = _layout_and_stats(skew=0.2)
+    prof = _profile({"full": 0.0001, "compressed": 0.0004, "sm_only": 0.0030, "e_only": 0.0040, "none": 0.0100})
+    budget = layout.min_budget(1) + layout.total_expert_full // 3
+    monkeypatch.setattr(planner, "PREFER_FULL_MARGIN", 0.99)  # nothing can be that much faster
+    plan = planner.make_plan(layout, budget, stats, prof, workers=1)
+    assert plan["slots"]["per_layer"]["compressed"] == 0 and plan["slots"]["per_layer"]["full"] > 0
+
+
+def test_old_profiles_still_plan_with_the_schedule_model():
+    from zipmoe.runtime.plan.planner import Planner
+
+    layout, stats = _layout_and_stats()
+    prof = _profile({"full": 0.0})  # incomplete: not every state measured
+    pl = Planner(layout, stats, prof, 1)
+    assert pl.cost_model == "schedule" and pl.tpot_s({"full": 4}) > 0
+
+
+def test_state_step_costs_from_the_passes():
+    from zipmoe.runtime.plan.passes import state_step_costs
+
+    passes = {"resident": {"step_s": 0.010}, "graphs": True,
+              "full_host": {"step_s": 0.012, "state_share": 1.0}, "compressed": {"step_s": 0.030, "state_share": 0.95},
+              "sm_only": {"step_s": 0.040, "state_share": 0.9}, "e_only": {"step_s": 0.045, "state_share": 0.9},
+              "none": {"step_s": 0.050, "state_share": 1.0}}
+    sc = state_step_costs(passes, top_k=2, sparse_layers=4)
+    assert sc["per_expert_s"]["compressed"] == pytest.approx(0.020 / 8)
+    assert sc["per_expert_s"]["full"] == pytest.approx(0.002 / 8)
+    assert sc["per_expert_s"]["none"] == pytest.approx(0.040 / 8)
+    assert sc["graphs"] is True and sc["resident_step_s"] == 0.010
+    cpu = state_step_costs({k: v for k, v in passes.items() if k not in ("full_host", "graphs")}, 2, 4)
+    assert cpu["per_expert_s"]["full"] == 0.0 and cpu["graphs"] is False
+    assert state_step_costs({"resident": {"step_s": 0.01}}, 2, 4) is None
+
+
+# ------------------------------------------------------------------------- the default plan
+def test_usage_statistics_are_kept_per_container_and_corrupt_files_start_afresh(tmp_path):
+    from zipmoe.runtime.plan.default import read_usage, record_usage, stats_path
+
+    assert record_usage(tmp_path, "cid1", {"0": {1: 3, 2: 1}}, calls=4) == stats_path(tmp_path, "cid1")
+    record_usage(tmp_path, "cid1", {"0": {1: 1}, "1": {0: 2}}, calls=2)
+    counts, calls, warn = read_usage(stats_path(tmp_path, "cid1"), "cid1")
+    assert warn is None and calls == 6 and counts == {"0": {"1": 4, "2": 1}, "1": {"0": 2}}
+    # another container's file under this name, or garbage: a warning and nothing used
+    _c, _n, warn = read_usage(stats_path(tmp_path, "cid1"), "other")
+    assert warn and "starting afresh" in warn
+    stats_path(tmp_path, "cid1").write_text("{not json")
+    counts, calls, warn = read_usage(stats_path(tmp_path, "cid1"), "cid1")
+    assert counts == {} and calls == 0 and "unusable" in warn
+    record_usage(tmp_path, "cid1", {"0": {5: 1}}, calls=1)  # a corrupt file is replaced, not a crash
+    assert read_usage(stats_path(tmp_path, "cid1"), "cid1")[:2] == ({"0": {"5": 1}}, 1)
+    assert record_usage(tmp_path, "cid1", {}, calls=0) is None
+
+
+def test_from_counts_ranks_by_popularity():
+    from zipmoe.runtime.plan.stats import from_counts
+
+    st = from_counts({"0": {"3": 30, "1": 10}}, container_id="c", num_experts=4, top_k=1, layers=[0, 1])
+    assert st.source == "earlier runs" and st.rank_p[0][0] > st.rank_p[0][1]
+    assert np.allclose(st.rank_p[1], st.rank_p[0])  # layers without counts: the mean profile
+    assert from_counts({}, container_id="c", num_experts=4, top_k=1, layers=[0]).source == "uniform prior"
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.codecs.writer import pack
+
+    d = tmp_path_factory.mktemp("defplan")
+    synth.write("mixtral", d / "ck", preset="tiny", skew=1.0, progress=False)
+    pack(d / "ck", d / "m.zmoe")
+    with ContainerReader(d / "m.zmoe") as r:
+        from zipmoe.runtime.plan.layout import container_layout
+
+        layout = container_layout(r, "bfloat16", "cpu")
+        return d / "m.zmoe", r.container_id, layout
+
+
+def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(container, tmp_path):
+    from zipmoe.runtime.plan.default import MIN_CALLS_PER_LAYER, default_plan, record_usage
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, default_profile_path, machine_info, save_profile
+
+    path, cid, layout = container
+    budget = layout.min_budget(1) + layout.total_expert_full // 3
+    plan, line = default_plan(path, budget, "cpu", 1, tmp_path)
+    assert plan["pools"]["compressed"] == 0 and plan["pools"]["full"] > 0
+    assert line.startswith("default plan: full tensors only") and "zipmoe plan" in line
+    # every expert fits: the runtime's own split is right
+    assert default_plan(path, layout.min_budget(1) + 2 * layout.total_expert_full, "cpu", 1, tmp_path)[0] is None
+
+    prof = {"format": PROFILE_FORMAT, "revision": 2, "machine": machine_info("cpu"), "container": container_info(path, cid),
+            "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
+            "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False,
+                           "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.002, "e_only": 0.003,
+                                            "none": 0.010}}}
+    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    plan, line = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
+    # a profile but no routing recorded yet: still full tensors only (the uniform prior's plan
+    # measured 1.24x slower than full tensors only on the H200, docs/benchmarks.md §22)
+    assert "no routing of this file recorded yet" in line and plan["pools"]["compressed"] == plan["pools"]["sm_only"] == 0
+    record_usage(tmp_path, cid, {str(l): {0: 500, 1: 400, 2: 3} for l in layout.sparse_layers}, calls=MIN_CALLS_PER_LAYER)
+    plan2, line2 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
+    assert "fitted at load" in line2 and "earlier layer calls" in line2 and plan2["trace"]["source"] == "earlier runs"
+    assert plan2["source"] == "default" and sum(plan2["pools"].values()) > 0
+    # a profile measured with another queue depth is not this machine's profile any more
+    assert default_plan(path, budget, "cpu", 1, tmp_path, readers=2)[1].startswith("default plan: full tensors only")
+    # a corrupt statistics file: a warning line, then the prior
+    (tmp_path / "stats" / f"{cid}.json").write_text("]")
+    plan3, line3 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
+    assert "unusable" in line3 and "full tensors only" in line3 and plan3["pools"]["compressed"] == 0
+
+
+def test_uses_are_counted_per_layer_call_and_logged_on_request():
+    from zipmoe.runtime.engine.counters import Counters, delta
+
+    c = Counters()
+    c.add_layer(0, 0.001, [3, 1])
+    before = c.snapshot()
+    c.log_uses(True)
+    c.add_layer(0, 0.001, [3])
+    c.add_layer(1, 0.001, 2)  # a count: no ids, nothing recorded
+    assert c.uses == {"0": {3: 2, 1: 1}} and c.uses_log == [(0, (3,))]
+    assert delta(c.snapshot(), before)["uses"] == {"0": {3: 1}}
+    assert c.log_uses(False) == [(0, (3,))] and c.uses_log is None
+    assert c.layer_calls == 3 and c.expert_calls == 5
+
+
+def test_serving_passes_hold_each_state(container):
+    """measure_runtime's passes through the runtime: each pass's expert uses are (nearly all) in
+    its state, and the per-state costs come out of them."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan.passes import measure_runtime
+
+    path, _cid, layout = container
+    out = measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3)
+    assert "serving_error" not in out, out.get("serving_error")
+    states = out["states"]
+    assert "full_host" not in states  # the CPU has no graphs
+    for s in ("compressed", "sm_only", "e_only", "none"):
+        assert states[s]["experts_per_layer"] == layout.top_k
+        assert states[s]["state_share"] >= 0.9, (s, states[s]["hits"])
+    assert states["none"]["reads"] > 0
+    sc = out["step_costs"]
+    assert set(sc["per_expert_s"]) == set(POOL_ORDER) and sc["per_expert_s"]["full"] == 0.0
+    assert out["workload"].startswith("corpus")
+    json.dumps(out)  # the profile stores it
