@@ -63,6 +63,7 @@ kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s agains
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split at 3.5G and 6G, batch 1 (CACHE_B4=1: and 4); planner check; gpu-tests of GPU_TEST_FILES (§22, ~9 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -150,6 +151,40 @@ suite_headline_olmoe() {  # olmoe-1b-7b: every engine at the first budget, then 
         fi
     done
     stage report 60 hl report
+}
+
+suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b's shapes, SYNTH_LAYERS of its 24 layers (§22)
+    # SYNTH_LAYERS=8 (default) keeps a third of the model (8.3 GiB of experts, 1.4 GiB dense): the
+    # budgets 3.5G and 6G hold about the share of the experts 8G and 16G hold of the whole model
+    export TOKENS=${TOKENS:-128} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin} SYNTH_LAYERS=${SYNTH_LAYERS-8}  # builtin: the corpus, teacher-forced
+    export GPU_TEST_FILES=${GPU_TEST_FILES-test_graphs.py test_staging.py test_runtime.py test_loop.py}
+    bench_env 1
+    export BUDGETS=${BUDGETS:-3.5G 6G}
+    local W=$WORK b
+    stage probe 60 probe
+    bg_stage gpu-tests "${GPU_TESTS_LIMIT:-200}" gpu_tests
+    stage qwen-synth 200 hl qwen-synth
+    stage qwen-pack 200 hl qwen-pack
+    stage qwen-rmsrc 60 hl qwen-rmsrc
+    wait_bg  # the profile's passes time the GPU: nothing else on it
+    stage qwen-plan 240 hl qwen-plan
+    # every engine on the same teacher-forced token stream, cold, one process each; the default
+    # plan is fitted at load from the profile (no earlier runs: the uniform prior)
+    for b in $BUDGETS; do
+        stage "bench-$b" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default --engine zipmoe-basic \
+            --engine zipmoe-pools --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" --runs "$RUNS" \
+            --cold --workload corpus --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work" \
+            --time-limit 60 --json "$W/qwen.json" --merge $BENCH_EXTRA
+    done
+    b=${BUDGETS%% *}
+    planner_check "planner-check-$b" 200 qwen "$b" --alternative "full only" --tokens 32
+    stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
+    if [ -n "${CACHE_B4:-}" ]; then
+        stage "bench-$b-b4" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default --engine zipmoe-basic \
+            --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" --runs "$RUNS" --cold --workload corpus \
+            --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work" --time-limit 60 \
+            --json "$W/qwen.json" --merge $BENCH_EXTRA
+    fi
 }
 
 suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G
@@ -300,8 +335,12 @@ import torch; print("cuda", torch.cuda.is_available(), torch.cuda.get_device_nam
 }
 
 gpu_tests() {  # from /tmp: the checkout's own zipmoe/ folder must not shadow the installed package
+    # GPU_TEST_FILES="test_graphs.py ...": only those files of tests/ (a short sitting)
+    local files=() f
+    for f in ${GPU_TEST_FILES:-}; do files+=("$REPO/tests/$f"); done
+    [ ${#files[@]} -gt 0 ] || files=("$REPO/tests")
     x cd /tmp
-    x python3 -m pytest -q -p no:cacheprovider -m gpu -rA "$REPO/tests"
+    x python3 -m pytest -q -p no:cacheprovider -m gpu -rA "${files[@]}"
 }
 
 fidelity() {  # with the landed code in $SITE-before (before_install), its `zipmoe chat` runs the sampled-token check too
@@ -392,7 +431,7 @@ hl_synth() {  # TAG FAMILY PRESET GIB
     is_done "$tag-synth" && return 0
     say "$tag: synth $fam --preset $preset --layout fused"
     need_gib $((gib + 1)) "synth $preset"
-    x zipmoe synth "$fam" --preset "$preset" --layout fused -o "$WORK/$tag-src" --force
+    x zipmoe synth "$fam" --preset "$preset" --layout fused ${SYNTH_LAYERS:+--layers "$SYNTH_LAYERS"} -o "$WORK/$tag-src" --force
     x du -sh "$WORK/$tag-src"
     done_mark "$tag-synth"
 }
