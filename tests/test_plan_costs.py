@@ -42,6 +42,25 @@ def test_step_table_is_exact_on_pure_layers_linear_in_between_and_free_when_grap
     assert host.values[[i for i, c in enumerate(compositions(k)) if c[0] == k][0]] == pytest.approx(3 * 0.001)
 
 
+def test_step_table_with_a_miss_curve_charges_a_lone_fetch_its_latency():
+    """Measured on the CPU box: a lone miss adds more to a layer than a quarter of four misses."""
+    a = {"full": 0.0, "compressed": 0.0005, "sm_only": 0.0008, "e_only": 0.0009, "none": 0.001}
+    curve = {1: 0.002, 2: 0.0035, 3: 0.0037, 4: 0.004}
+    t = StepTable(4, a, graphs=False, miss_curve_s=curve)
+    comps = [tuple(c) for c in compositions(4)]
+    val = dict(zip(comps, t.values))
+    assert val[(3, 0, 0, 0, 1)] == pytest.approx(0.002)  # one miss: the curve's first point
+    assert val[(0, 0, 0, 0, 4)] == pytest.approx(0.004)
+    assert val[(2, 0, 0, 0, 2)] == pytest.approx(0.0035)
+    # two compressed hits are one miss's worth of fetching: the curve at 1
+    assert val[(2, 2, 0, 0, 0)] == pytest.approx(0.002)
+    assert val[(4, 0, 0, 0, 0)] == 0.0
+    # more fetching never costs less, even where a measured point dips
+    dip = StepTable(4, a, graphs=False, miss_curve_s={1: 0.002, 2: 0.0015, 3: 0.003, 4: 0.004})
+    v = dict(zip(comps, dip.values))
+    assert v[(2, 0, 0, 0, 2)] >= v[(3, 0, 0, 0, 1)]
+
+
 def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_why():
     """With compressed hits nearly as dear as misses (what the H200 measured with the mixed
     pools), no mixed plan pays: the planner predicts it and keeps full tensors only."""
@@ -222,5 +241,9 @@ def test_serving_passes_hold_each_state(container):
     assert states["none"]["reads"] > 0
     sc = out["step_costs"]
     assert set(sc["per_expert_s"]) == set(POOL_ORDER) and sc["per_expert_s"]["full"] == 0.0
+    # every expert resident: the lone-miss passes, one per count of misses per layer
+    assert sorted(int(j) for j in sc["miss_curve_s"]) == list(range(1, layout.top_k + 1))
+    for j in range(1, layout.top_k + 1):
+        assert states[f"misses_{j}"]["miss_share"] == pytest.approx(j / layout.top_k, abs=0.1)
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it

@@ -114,7 +114,7 @@ def bench(
     engine_timeout: float = typer.Option(0.0, "--engine-timeout", help="Seconds after which an engine's worker is killed (its finished runs kept, the engine reported as timed out); 0 = none."),
     min_tokens: int = typer.Option(2, "--min-tokens", help="Tokens a run makes before --time-limit can stop it (at least 2 for a time per token)."),
     context: Optional[int] = typer.Option(None, "--context", help="The zipmoe engines' KV cache in tokens (default: the run's longest prompt + new tokens, rounded up to 64; clamped to the model's max_position_embeddings); on the CPU its bytes are added to the cgroup on top of the budget."),
-    threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: each engine's own choice)."),
+    threads: int = typer.Option(0, "--threads", help="torch threads in every engine (default: the zipmoe engines take the cores their decode workers leave, as chat does; the others torch's default)."),
     cgroup_slack: Optional[str] = typer.Option(None, "--cgroup-slack", help="Cgroup margin on top of the budget and the process's measured baseline (default 256M on CPU, 1G with CUDA)."),
     cold_method: str = typer.Option("auto", "--cold-method", help="How cold runs empty the page cache: auto (drop_caches where permitted, else fadvise), drop_caches, or fadvise (POSIX_FADV_DONTNEED on the engine's files only)."),
     no_cgroup: bool = typer.Option(False, "--no-cgroup", help="Do not put engines in memory cgroups (budgets then rely on the engines alone)."),

@@ -212,6 +212,11 @@ def load_engine(spec: dict):
         kwargs = {}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])
+        else:  # as chat, serve and the planner's passes: the cores the decode workers leave (torch's
+            # default, every core, oversubscribes them with the workers: what the profile measured is not what ran)
+            from zipmoe.machine import decode_workers, torch_threads
+
+            kwargs["threads"] = torch_threads(decode_workers())
         if "force" in inspect.signature(_load_fn()).parameters:
             # the engine runs in bench's own cgroup, whose limit bench sizes (budget + what the
             # process needs + a margin) and whose OOM kills it reports: not a user's limit to refuse

@@ -143,6 +143,54 @@ def state_pass(model, rt, state: str, prompt, forced) -> dict:
     return out
 
 
+def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
+    """Per decode step of the stream, its sparse layers' ``(layer, experts)`` (the teacher-forced
+    stream routes the same way every time it is fed: the logits are bit-identical)."""
+    import torch
+
+    from zipmoe.runtime.engine.loop import DecodeLoop
+
+    need = int(prompt.shape[1]) + len(forced) + 1
+    loop = rt.loops.get("plan-pass")
+    if loop is None or loop.context < need:
+        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+    steps = []
+    with torch.inference_mode():
+        loop.prefill(prompt.to(rt.device))
+        for t in forced:
+            rt.counters.log_uses(True)
+            loop.step(torch.tensor([t], dtype=torch.long))
+            steps.append(list(rt.counters.log_uses(False) or []))
+    return steps
+
+
+def lone_miss_pass(model, rt, prompt, forced, misses: int = 1) -> dict:
+    """Every sparse layer with exactly ``misses`` of its chosen experts a miss, the others full
+    hits: before each step, those experts (the highest ids the step's routing chose, known from a
+    first pass) are dropped from a cache that holds every expert. A layer's fetches then cannot
+    overlap each other as the all-miss pass's do: the latency of a lone fetch, not its share of
+    a layer's throughput."""
+    routing = routing_of(model, rt, prompt, forced)
+    graphs = rt.sparse_graphs
+    steps = iter(routing)
+
+    def drop() -> None:
+        for layer, experts in next(steps, []):
+            for e in sorted(experts)[-misses:]:
+                for t in rt.expert_tensors.get((layer, e), ()):
+                    rt.cache.drop(t.uid)
+
+    try:
+        _run_stream(model, rt, prompt, forced)  # warm: every expert the stream uses admitted again
+        times, d = _run_stream(model, rt, prompt, forced, between_steps=drop)
+    finally:
+        rt.sparse_graphs = graphs
+    uses = max(1, sum(d["hits"].values()))
+    return {"state": f"{misses} miss per layer", "misses_per_layer": misses, "steps": len(times),
+            "step_s": float(np.median(times)) if times else None, "step_s_all": [float(t) for t in times],
+            **_layer_figures(d), "miss_share": d["hits"].get("none", 0) / uses, "hits": dict(d["hits"])}
+
+
 def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | None:
     """The planner's per-state costs from the passes: for each state, the seconds one expert in
     that state adds to a decode step over ``resident`` (every expert a full hit, graphed where
@@ -167,7 +215,19 @@ def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | Non
             continue
         out["per_expert_s"][state] = max(0.0, (float(p["step_s"]) - base) / per)
         out["measured_share"][state] = float(p.get("state_share", 0.0))
+    # what a sparse layer with j misses (the rest full hits) adds to the resident step, j = 1..k
+    curve = {}
+    for key, p in passes.items():
+        if key.startswith("misses_") and p and p.get("step_s") is not None:
+            curve[int(p["misses_per_layer"])] = max(0.0, (float(p["step_s"]) - base) / max(1, int(sparse_layers)))
+    if curve:
+        out["miss_curve_s"] = {str(j): curve[j] for j in sorted(curve)}
     return out
+
+
+def miss_counts(k: int) -> list[int]:
+    """The misses per layer the profile serves: every count up to 8, else 1, 2, k/2 and k."""
+    return list(range(1, k + 1)) if k <= 8 else sorted({1, 2, k // 2, k})
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
@@ -232,6 +292,9 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                 out["layer_overhead_s"] = max(0.0, host["layer_makespan_s"] - host["experts_per_layer"] * host["compute_s_per_expert"])
             for state in ("compressed", "sm_only", "e_only", "none"):
                 passes[state] = state_pass(model, rt, state, prompt, stream)
+            if budget >= want:  # every expert resident: j misses per layer, the others full hits
+                for j in miss_counts(layout.top_k):
+                    passes[f"misses_{j}"] = lone_miss_pass(model, rt, prompt, stream, j)
             out["states"] = passes
             # the older fits (schedule model, runtime/plan/fits.py) read these two
             out["serving"] = passes["none"]

@@ -26,8 +26,8 @@ __all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT"]
 
 PLAN_FORMAT = "zipmoe-plan/1"
 #: a mixed plan is chosen over full tensors only when it is predicted at least this much faster:
-#: the cost model is exact on the states it measured and an upper bound in between, and full
-#: tensors only is the plan that cannot be wrong-footed by a prediction (it needs no decompression)
+#: the cost model is measured on pure states and interpolated in between, and full tensors only is
+#: the plan that cannot be wrong-footed by a prediction (it needs no decompression)
 PREFER_FULL_MARGIN = 0.03
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
               "then sm_only, then e_only slots; the rest are misses")
@@ -60,7 +60,7 @@ class Planner:
         if all(s in (sc.get("per_expert_s") or {}) for s in POOL_ORDER) and sc.get("resident_step_s"):
             self.step_costs = sc
             self.cost_model = "measured states"
-            self.table = StepTable(k, sc["per_expert_s"], bool(sc.get("graphs")))
+            self.table = StepTable(k, sc["per_expert_s"], bool(sc.get("graphs")), sc.get("miss_curve_s"))
         else:
             self.step_costs = None
             self.cost_model = "schedule"
