@@ -360,3 +360,25 @@ def test_cli_routing_bogus_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown routing 'bogus'" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def test_layers_keeps_the_first_layers_of_a_preset_and_refuses_what_it_cannot_cut(tmp_path, capsys):
+    """`--layers N`: the preset's shapes with N decoder layers (recorded in config.json); a count
+    outside 1..layers or an encoder-decoder family is one line and exit 2."""
+    from zipmoe_cli.app import main
+
+    r = synth.write("qwen2_moe", tmp_path / "q", preset="tiny", layout="fused", layers=1, progress=False)
+    cfg = json.loads((r.path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["zipmoe_synth"]["layers"] == 1
+    with safe_open(str(next(r.path.glob("*.safetensors"))), "pt") as f:
+        assert not any(".layers.1." in k for k in f.keys())
+    full = json.loads((synth.write("qwen2_moe", tmp_path / "f", preset="tiny", progress=False).path / "config.json").read_text())
+    for bad in ("0", str(full["num_hidden_layers"] + 1)):
+        with pytest.raises(SystemExit) as exc:
+            main(["synth", "qwen2_moe", "-o", str(tmp_path / f"b{bad}"), "--layers", bad])
+        assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["synth", "switch_transformers", "-o", str(tmp_path / "s"), "--layers", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--layers must be between 1 and" in err and "decoder-only" in err and "Traceback" not in err
