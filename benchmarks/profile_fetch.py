@@ -225,36 +225,32 @@ def measure(a) -> dict:
               "window": rt.window, "budget": budget, "path": str(path), "steps": a.steps, "passes": {},
               "engine": str(Path(sys.modules["zipmoe.runtime.engine.fetcher"].__file__).parent)}
     profiles = {}
+
+    def measure(name: str, between) -> None:
+        """``a.repeat`` timed passes (per-tensor figures), then one under cProfile with --profile."""
+        runs = []
+        for _ in range(a.repeat):
+            d = _timed(rt, loop, first, tokens, between, device)
+            d["_steps"] = a.steps
+            runs.append(per_tensor(d))
+        result["passes"][name] = runs
+        if a.profile:
+            prof = cProfile.Profile()
+            _timed(rt, loop, first, tokens, between, device, prof)
+            profiles[name] = _top(prof, a.top)
+
     with torch.inference_mode():
         # compressed: a cache with only a compressed pool, warmed by one sweep of the same steps
         old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
         try:
             _sweep(loop, first, tokens, device=device)
-            runs = []
-            for _ in range(a.repeat):
-                d = _timed(rt, loop, first, tokens, None, device)
-                d["_steps"] = a.steps
-                runs.append(per_tensor(d))
-            result["passes"]["compressed"] = runs
-            if a.profile:
-                prof = cProfile.Profile()
-                _timed(rt, loop, first, tokens, None, device, prof)
-                profiles["compressed"] = _top(prof, a.top)
+            measure("compressed", None)
         finally:
             rt.swap_cache(old)
         # miss: the runtime's cache cleared before every step
         clear = rt.cache.clear
         _sweep(loop, first, tokens, clear, device)
-        runs = []
-        for _ in range(a.repeat):
-            d = _timed(rt, loop, first, tokens, clear, device)
-            d["_steps"] = a.steps
-            runs.append(per_tensor(d))
-        result["passes"]["miss"] = runs
-        if a.profile:
-            prof = cProfile.Profile()
-            _timed(rt, loop, first, tokens, clear, device, prof)
-            profiles["miss"] = _top(prof, a.top)
+        measure("miss", clear)
     result["profiles"] = profiles
     rt.close()
     return result

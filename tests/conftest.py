@@ -8,3 +8,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_container(tmp_path_factory):
+    """``(path, container_id)`` of the tiny synthetic Mixtral (skewed routing) packed once per
+    session: the planner's tests plan and serve it."""
+    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.codecs.writer import pack
+
+    d = tmp_path_factory.mktemp("tiny-mixtral")
+    synth.write("mixtral", d / "ck", preset="tiny", skew=1.0, progress=False)
+    pack(d / "ck", d / "m.zmoe")
+    with ContainerReader(d / "m.zmoe") as r:
+        return d / "m.zmoe", r.container_id

@@ -158,19 +158,13 @@ def test_from_counts_ranks_by_popularity():
 
 
 @pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
+def container(tiny_mixtral_container):
     from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.codecs.writer import pack
+    from zipmoe.runtime.plan.layout import container_layout
 
-    d = tmp_path_factory.mktemp("defplan")
-    synth.write("mixtral", d / "ck", preset="tiny", skew=1.0, progress=False)
-    pack(d / "ck", d / "m.zmoe")
-    with ContainerReader(d / "m.zmoe") as r:
-        from zipmoe.runtime.plan.layout import container_layout
-
-        layout = container_layout(r, "bfloat16", "cpu")
-        return d / "m.zmoe", r.container_id, layout
+    path, cid = tiny_mixtral_container
+    with ContainerReader(path) as r:
+        return path, cid, container_layout(r, "bfloat16", "cpu")
 
 
 def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(container, tmp_path):

@@ -14,17 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
-    from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.codecs.writer import pack
-
-    d = tmp_path_factory.mktemp("plan")
-    synth.write("mixtral", d / "ck", preset="tiny", skew=1.0, progress=False)
-    pack(d / "ck", d / "m.zmoe")
-    with ContainerReader(d / "m.zmoe") as r:
-        cid = r.container_id
-    return d / "m.zmoe", cid
+def container(tiny_mixtral_container):
+    return tiny_mixtral_container
 
 
 @pytest.fixture(autouse=True)

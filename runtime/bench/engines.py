@@ -208,14 +208,14 @@ def load_engine(spec: dict):
     es = engine(name)
     device = spec["device"]
     if es.kind == "zipmoe":
+        from zipmoe.machine import decode_workers, torch_threads
+
         fn = _load_fn()  # runtime.engine.loader.load (a clear error when the runtime is missing)
         kwargs = {}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])
         else:  # as chat, serve and the planner's passes: the cores the decode workers leave (torch's
             # default, every core, oversubscribes them with the workers: what the profile measured is not what ran)
-            from zipmoe.machine import decode_workers, torch_threads
-
             kwargs["threads"] = torch_threads(decode_workers())
         if "force" in inspect.signature(_load_fn()).parameters:
             # the engine runs in bench's own cgroup, whose limit bench sizes (budget + what the
@@ -232,7 +232,6 @@ def load_engine(spec: dict):
         path = spec["raw_container"] if es.needs == "raw_container" else spec["container"]
         line = None
         if ENGINE_PLAN[name] == "fitted":
-            from zipmoe.machine import decode_workers
             from zipmoe.runtime.plan.default import default_plan
 
             plan, line = default_plan(path, int(spec["budget"]), device, decode_workers(), spec.get("cache_dir"),

@@ -57,18 +57,24 @@ def forced_stream(tok, config: dict, steps: int, prompt_tokens: int = 16):
     return torch.tensor([prompts[0]], dtype=torch.long), [int(t) for t in forced[0]]
 
 
+def _pass_loop(model, rt, need: int):
+    """The passes' one decode loop (kept on the runtime), at least ``need`` positions long."""
+    from zipmoe.runtime.engine.loop import DecodeLoop
+
+    loop = rt.loops.get("plan-pass")
+    if loop is None or loop.context < need:
+        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+    return loop
+
+
 def _run_stream(model, rt, prompt, forced, *, between_steps=None) -> tuple[list[float], dict]:
     """Prefill ``prompt``, then feed ``forced`` one token per step through the runtime's decode
     loop; returns each step's wall time (device synchronised) and the counters' delta of the steps."""
     import torch
 
     from zipmoe.runtime.engine.counters import delta
-    from zipmoe.runtime.engine.loop import DecodeLoop
 
-    need = int(prompt.shape[1]) + len(forced) + 1
-    loop = rt.loops.get("plan-pass")
-    if loop is None or loop.context < need:
-        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+    loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1)
     cuda = rt.device.type == "cuda"
     with torch.inference_mode():
         loop.prefill(prompt.to(rt.device))
@@ -148,12 +154,7 @@ def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
     stream routes the same way every time it is fed: the logits are bit-identical)."""
     import torch
 
-    from zipmoe.runtime.engine.loop import DecodeLoop
-
-    need = int(prompt.shape[1]) + len(forced) + 1
-    loop = rt.loops.get("plan-pass")
-    if loop is None or loop.context < need:
-        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+    loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1)
     steps = []
     with torch.inference_mode():
         loop.prefill(prompt.to(rt.device))

@@ -109,6 +109,15 @@ def rank_distribution(counts: np.ndarray, alpha: float | None = None) -> np.ndar
     return np.sort(p)[::-1]
 
 
+def _with_mean_profile(rank_p: dict, layers) -> dict:
+    """``rank_p`` with every layer of ``layers`` it lacks given the mean profile of those it has."""
+    mean = np.mean(list(rank_p.values()), axis=0)
+    mean /= mean.sum()
+    for l in layers:
+        rank_p.setdefault(l, mean.copy())
+    return rank_p
+
+
 def uniform(num_experts: int, top_k: int, layers: list[int], container_id: str | None = None) -> ActivationStats:
     """The uniform prior: every rank equally popular (used when there is no trace)."""
     p = np.full(num_experts, 1.0 / num_experts)
@@ -174,11 +183,7 @@ def from_traces(paths, *, container_id: str | None, num_experts: int, top_k: int
     basis = "all tokens"
     if decode_steps >= MIN_DECODE_STEPS and all(decode[l].sum() > 0 for l in seen):
         counts, basis = decode, "decode steps"
-    rank_p = {l: rank_distribution(counts[l], alpha) for l in seen}
-    mean = np.mean([rank_p[l] for l in seen], axis=0)
-    mean /= mean.sum()
-    for l in layers:
-        rank_p.setdefault(l, mean.copy())
+    rank_p = _with_mean_profile({l: rank_distribution(counts[l], alpha) for l in seen}, layers)
     return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, "trace",
                            tokens=max(tokens.values()), files=files, steps=steps, decode_steps=decode_steps, basis=basis)
 
@@ -203,10 +208,6 @@ def from_counts(counts: dict, *, container_id: str | None, num_experts: int, top
             rows[layer] = c
     if not rows:
         return uniform(num_experts, top_k, layers, container_id)
-    rank_p = {l: rank_distribution(c) for l, c in rows.items()}
-    mean = np.mean(list(rank_p.values()), axis=0)
-    mean /= mean.sum()
-    for l in layers:
-        rank_p.setdefault(l, mean.copy())
+    rank_p = _with_mean_profile({l: rank_distribution(c) for l, c in rows.items()}, layers)
     return ActivationStats(container_id, num_experts, top_k, list(layers), rank_p, source,
                            tokens=int(calls), steps=int(calls), basis="layer calls")
