@@ -63,7 +63,7 @@ kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s agains
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split at 3.5G and 6G, batch 1 (CACHE_B4=1: and 4); planner check; gpu-tests of GPU_TEST_FILES (§22, ~9 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split, uncompressed at 3.5G and 6G, batch 1; plan and full only at batch 4 (CACHE_B4=) and 512 tokens (CACHE_LONG=); planner check; gpu-tests of GPU_TEST_FILES (§22, ~22 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -157,34 +157,45 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # SYNTH_LAYERS=8 (default) keeps a third of the model (8.3 GiB of experts, 1.4 GiB dense): the
     # budgets 3.5G and 6G hold about the share of the experts 8G and 16G hold of the whole model
     export TOKENS=${TOKENS:-128} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin} SYNTH_LAYERS=${SYNTH_LAYERS-8}  # builtin: the corpus, teacher-forced
-    export GPU_TEST_FILES=${GPU_TEST_FILES-test_graphs.py test_staging.py test_runtime.py test_loop.py}
+    export GPU_TEST_FILES=${GPU_TEST_FILES-test_graphs.py test_staging.py test_runtime.py test_loop.py test_plan_costs.py}
     bench_env 1
     export BUDGETS=${BUDGETS:-3.5G 6G}
-    local W=$WORK b
+    local W=$WORK b common
     stage probe 60 probe
     bg_stage gpu-tests "${GPU_TESTS_LIMIT:-200}" gpu_tests
     stage qwen-synth 200 hl qwen-synth
     stage qwen-pack 200 hl qwen-pack
+    [ -n "${CACHE_UNC:-1}" ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
     stage qwen-rmsrc 60 hl qwen-rmsrc
     wait_bg  # the profile's passes time the GPU: nothing else on it
-    stage qwen-plan 240 hl qwen-plan
-    # every engine on the same teacher-forced token stream, cold, one process each; the default
-    # plan is fitted at load from the profile (no earlier runs: the uniform prior)
+    # the profile, then one plan per budget; each calibration also records the file's routing in
+    # the cache folder, so zipmoe-default (no --plan) fits its plan at load from it
+    stage qwen-plan 300 hl qwen-plan
+    common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
+            --time-limit 60 --json "$W/qwen.json" --merge --runs "$RUNS")
+    # every engine on the same teacher-forced token stream, cold, one process each
     for b in $BUDGETS; do
-        stage "bench-$b" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default --engine zipmoe-basic \
-            --engine zipmoe-pools --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" --runs "$RUNS" \
-            --cold --workload corpus --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work" \
-            --time-limit 60 --json "$W/qwen.json" --merge $BENCH_EXTRA
+        stage "bench-$b" "${BENCH_LIMIT:-330}" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default \
+            --engine zipmoe-basic --engine zipmoe-pools $([ -n "${CACHE_UNC:-1}" ] && echo "--engine uncompressed --raw-container $W/qwen-raw.zmoe") \
+            --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
     done
+    stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
+    # batch 4: the plan and full tensors only at every budget
+    if [ -n "${CACHE_B4:-1}" ]; then
+        for b in $BUDGETS; do
+            stage "bench-$b-b4" 200 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+                --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
+                --json "$W/qwen-b4.json"
+        done
+    fi
+    # 512 new tokens at the larger budget: the plan and full tensors only
+    b=${BUDGETS##* }
+    [ -n "${CACHE_LONG:-1}" ] && stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+        --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
+        --time-limit 150 --json "$W/qwen-512.json"
+    stage qwen-report-more 60 sh -c "zipmoe bench --report '$W/qwen-b4.json'; zipmoe bench --report '$W/qwen-512.json'"
     b=${BUDGETS%% *}
     planner_check "planner-check-$b" 200 qwen "$b" --alternative "full only" --tokens 32
-    stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
-    if [ -n "${CACHE_B4:-}" ]; then
-        stage "bench-$b-b4" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default --engine zipmoe-basic \
-            --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" --runs "$RUNS" --cold --workload corpus \
-            --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work" --time-limit 60 \
-            --json "$W/qwen.json" --merge $BENCH_EXTRA
-    fi
 }
 
 suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G
@@ -575,7 +586,7 @@ hl() {  # hl STAGE [BUDGET ...]: one model stage (BUDGET ... replaces BUDGETS fo
         disk) hl_status ;;
         report) hl_report ;;
         qwen-synth) hl_synth qwen qwen2_moe "$QWEN_PRESET" 27 ;;
-        qwen-raw) hl_raw qwen 27 ;;
+        qwen-raw) hl_raw qwen "$([ "${SYNTH_LAYERS:-0}" != 0 ] && echo $((SYNTH_LAYERS * 13 / 10 + 1)) || echo 27)" ;;
         qwen-unc) hl_unc qwen ;;
         qwen-res) hl_res qwen ;;
         qwen-acc) hl_acc qwen ;;

@@ -234,13 +234,28 @@ def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory):
     rows = calibration_inputs(load_tokenizer(src), cfg, read_prompts("builtin"), "corpus", 4)
     assert len(rows) == 8 and all(len(p) == 32 and len(f) == 4 for p, f in rows)
     for workload, n_prompts in (("corpus", 8), ("greedy", 2)):
+        kept = tmp_path_factory.mktemp(f"kept-{workload}")
         trace = record_trace(path, read_prompts("builtin", workload)[:n_prompts], budget, "cpu", 1, max_new_tokens=4,
-                             workload=workload)
+                             workload=workload, keep_usage_in=kept)
         try:
             _, steps = read_trace(trace, with_input=True)
             if workload == "corpus":
                 assert len(steps) == 8 * 4  # each passage: its prefill + 3 decode steps (the 4th token is not fed)
                 assert [s[1] for s in steps[:4]] == [[1, 32], [1, 1], [1, 1], [1, 1]]
+                # the calibration's routing is kept for the default plan, one call per step and layer
+                from zipmoe.codecs.reader import ContainerReader
+                from zipmoe.runtime.plan.default import read_usage, stats_path
+
+                with ContainerReader(path) as r:
+                    cid = r.container_id
+                counts, calls, warn = read_usage(stats_path(kept, cid), cid)
+                assert warn is None and calls == 8 * 4 and counts
+                traced = {}
+                for layers, _shape in steps:
+                    for layer, rows in layers.items():
+                        for e in {e for row in rows for e in row}:
+                            traced[(str(layer), str(e))] = traced.get((str(layer), str(e)), 0) + 1
+                assert {(l, e): n for l, per in counts.items() for e, n in per.items()} == traced
             else:
                 assert steps and steps[0][1][1] > 1
         finally:

@@ -100,7 +100,8 @@ def plan(
             if calibrate_tokens < 1:
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
             traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype,
-                                       load_options=engine_options, workload=calibrate_workload))
+                                       load_options=engine_options, workload=calibrate_workload,
+                                       keep_usage_in=cache_dir()))
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:

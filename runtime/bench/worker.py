@@ -393,7 +393,7 @@ def capacity_in_experts(runtime) -> tuple[int | None, bool]:
         if isinstance(ps, dict) and isinstance(ps.get("per_layer"), dict) and ps.get("sparse_layers"):
             plan_pools = plan.get("pools") or {}
             if all(int(pools.get(k, 0)) >= int(v) for k, v in plan_pools.items()):  # not scaled down
-                slots = {k: int(v) * int(ps["sparse_layers"]) for k, v in ps["per_layer"].items()}
+                slots = {k: int(float(v) * int(ps["sparse_layers"]) + 1e-6) for k, v in ps["per_layer"].items()}
         return expert_capacity(pools, per, slots)
     except Exception:
         return None, False

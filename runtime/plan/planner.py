@@ -22,7 +22,7 @@ from zipmoe.runtime.plan.search import POOLS, search
 from zipmoe.runtime.plan.stats import ActivationStats
 from zipmoe.runtime.plan.profile import costs_of
 
-__all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT"]
+__all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT", "part_slot_corners"]
 
 PLAN_FORMAT = "zipmoe-plan/1"
 #: a mixed plan is chosen over full tensors only when it is predicted at least this much faster:
@@ -31,6 +31,31 @@ PLAN_FORMAT = "zipmoe-plan/1"
 PREFER_FULL_MARGIN = 0.03
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
               "then sm_only, then e_only slots; the rest are misses")
+
+
+def _slot_count(v) -> int | float:
+    """A pool's slots per layer as plan.json writes them: an int, or a part slot rounded to 3 places."""
+    v = float(v)
+    return int(v) if v == int(v) else round(v, 3)
+
+
+def part_slot_corners(slots: dict) -> list[tuple[dict[str, int], float]]:
+    """A plan whose pools may hold part slots per layer (``{"full": 1.9}``: the bytes of 1.9 full
+    slots in every layer's share) as whole-slot plans and their weights: ``floor`` slots in a
+    share ``1 - f`` of the layers and ``floor + 1`` in the rest, for each pool with a part ``f``."""
+    base = {p: int(np.floor(float(slots.get(p, 0)) + 1e-9)) for p in POOLS}
+    corners = [(base, 1.0)]
+    for p in POOLS:
+        f = float(slots.get(p, 0)) - base[p]
+        if f <= 1e-9:
+            continue
+        nxt = []
+        for s, w in corners:
+            up = dict(s)
+            up[p] += 1
+            nxt += [(s, w * (1 - f)), (up, w * f)]
+        corners = nxt
+    return corners
 
 
 class Planner:
@@ -104,14 +129,45 @@ class Planner:
         fetch = np.maximum(0.0, expected - compute)
         return np.minimum(self.prefetch_recall * fetch, self.dense_s / n)
 
-    def _evaluate(self, slots: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _evaluate(self, slots: dict[str, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-layer expected makespan (with the layer overhead, less the prefetch credit), mean
-        hits per state, and the per-layer prefetch credit."""
-        expected, hits = self.layers.evaluate(slots)
-        credit = self.prefetch_credit(expected)
-        return expected - credit + self.layer_overhead, hits.mean(axis=0), credit
+        hits per state, and the per-layer prefetch credit. A pool's slots may be a fraction
+        (:func:`part_slot_corners`): the plan is then the mix of its whole-slot corners."""
+        per, hits, credit = 0.0, 0.0, 0.0
+        for whole, w in part_slot_corners(slots):
+            expected, h = self.layers.evaluate(whole)
+            c = self.prefetch_credit(expected)
+            per, hits, credit = per + w * (expected - c + self.layer_overhead), hits + w * h.mean(axis=0), credit + w * c
+        return per, hits, credit
 
-    def tpot_s(self, slots: dict[str, int]) -> float:
+    def spend_rest(self, slots: dict[str, int], per_layer_bytes: int, pools=POOLS) -> dict[str, float]:
+        """``slots`` with the bytes they leave in a layer's share of the pools spent on a part
+        slot of the one pool among ``pools`` where it saves most (none where none saves). The
+        runtime's pools are shared by every sparse layer, so ``f`` slots' worth of bytes per layer
+        is ``f * layers`` whole slots, which the cache gives to the hottest tensors of whichever
+        layers: modelled as one more slot in a share ``f`` of the layers (a plan of whole slots
+        per layer left up to a slot per layer unused; on the CPU demo at 400M that was 0.9 of
+        the 1.9 full slots a layer's share holds, and the plan predicted 67% misses for full
+        tensors only where the run had 50%)."""
+        sb = self.layout.slot_bytes
+        left = per_layer_bytes - sum(int(slots.get(p, 0)) * sb[p] for p in POOLS)
+        room = self.layout.num_experts - sum(int(slots.get(p, 0)) for p in POOLS)
+        base = {p: int(slots.get(p, 0)) for p in POOLS}
+        if left <= 0 or room <= 0:
+            return base
+        best, best_t = base, self.tpot_s(base)
+        for p in pools:
+            f = min(float(room), left / max(1, sb[p]))
+            if f <= 1e-6:
+                continue
+            s = dict(base)
+            s[p] = s[p] + np.floor(f * 1e6) / 1e6  # never more bytes than there are
+            t = self.tpot_s(s)
+            if t < best_t - 1e-15:
+                best, best_t = s, t
+        return best
+
+    def tpot_s(self, slots: dict[str, float]) -> float:
         """Expected seconds per output token of a plan (the search's objective)."""
         per_layer, hits, _credit = self._evaluate(slots)
         return float(per_layer.sum()) + self.dense_for(hits)
@@ -152,8 +208,8 @@ class Planner:
         sb = self.layout.slot_bytes
         n = len(self.layout.decode_layers)
         return {
-            "slots": {p: int(slots.get(p, 0)) for p in POOLS},
-            "pools": {p: int(slots.get(p, 0)) * sb[p] * n for p in POOLS},
+            "slots": {p: _slot_count(slots.get(p, 0)) for p in POOLS},
+            "pools": {p: int(float(slots.get(p, 0)) * sb[p] * n) for p in POOLS},
             "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
             "expected_prefetch_credit_s_per_token": float(credit.sum()),
             "expected_layer_makespan_s": float(per_layer.mean()),
@@ -180,14 +236,20 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.decode_layers)
     per_layer = pool_bytes // n
-    res = search(planner.tpot_s, per_layer_bytes=per_layer, slot_bytes=layout.slot_bytes,
-                 experts=layout.num_experts)
-    full_only = res.singles.get("full")
-    if full_only is not None and res.best != full_only[0] and res.best_value > (1 - PREFER_FULL_MARGIN) * full_only[1]:
-        res.best, res.best_value = dict(full_only[0]), full_only[1]  # not enough of a gain to leave full tensors
-    chosen = planner.describe(res.best)
+    # every candidate is judged with the bytes it leaves spent on a part slot (Planner.spend_rest)
+    res = search(lambda s: planner.tpot_s(planner.spend_rest(s, per_layer)), per_layer_bytes=per_layer,
+                 slot_bytes=layout.slot_bytes, experts=layout.num_experts)
+    # the single-pool plans: all of a layer's share in that pool, a part slot included
+    singles = {name: (s if name == "none" else planner.spend_rest(s, per_layer, pools=(name,)))
+               for name, (s, _) in res.singles.items()}
+    best = planner.spend_rest(res.best, per_layer)
+    full_only = singles.get("full")
+    if full_only is not None and best != full_only and \
+            planner.tpot_s(best) > (1 - PREFER_FULL_MARGIN) * planner.tpot_s(full_only):
+        best = dict(full_only)  # not enough of a gain to leave full tensors
+    chosen = planner.describe(best)
     alternatives = {}
-    for name, (slots, _) in res.singles.items():
+    for name, slots in singles.items():
         alternatives["no cache" if name == "none" else f"{name} only"] = planner.describe(slots)
     used = sum(chosen["pools"].values())
     working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.engine.core)
@@ -238,7 +300,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "expected_prefetch_credit_s_per_token": chosen["expected_prefetch_credit_s_per_token"],
         "alternatives": alternatives,
         "search": {"evaluated": res.evaluated},
-        "explain": planner.explain(res.best, {name: slots for name, (slots, _) in res.singles.items()}),
+        "explain": planner.explain(best, singles),
         "profile": prof_summary,
         "trace": stats.summary(),
     }
