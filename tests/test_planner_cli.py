@@ -248,7 +248,7 @@ def test_profile_only_shows_the_profile(container, tmp_path, capsys):
     assert code == 0 and "O_DIRECT" in stdout and "decompress" in stdout
 
 
-def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys):
+def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys, _cache):
     pytest.importorskip("zipmoe.runtime.engine.loader")
     path, cid = container
     prompts = tmp_path / "prompts.txt"
@@ -266,6 +266,11 @@ def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsy
     side = prediction_path(plan["trace"]["files"][0])
     assert json.loads(side.read_text())["prefetch"] is False
     assert plan["profile"]["prefetch_recall"] is None and plan["expected_prefetch_credit_s_per_token"] == 0.0
+    # the calibration's routing is kept in the cache folder for the default plan (4 calls per layer)
+    from zipmoe.runtime.plan.default import read_usage, stats_path
+
+    counts, calls, warn = read_usage(stats_path(_cache, cid), cid)
+    assert warn is None and calls == 4 and counts
     os.unlink(side)
     os.unlink(plan["trace"]["files"][0])
 

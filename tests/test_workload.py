@@ -235,8 +235,14 @@ def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory):
     assert len(rows) == 8 and all(len(p) == 32 and len(f) == 4 for p, f in rows)
     for workload, n_prompts in (("corpus", 8), ("greedy", 2)):
         kept = tmp_path_factory.mktemp(f"kept-{workload}")
+        from zipmoe.runtime.plan.default import record_usage
+
+        def keep(rt):  # what `zipmoe plan --calibrate` does (zipmoe_cli/default_plan.py keep_usage)
+            snap = rt.counters.snapshot()
+            record_usage(kept, rt.container_id, snap["uses"], snap["layer_calls"] // len(rt.sparse_layers))
+
         trace = record_trace(path, read_prompts("builtin", workload)[:n_prompts], budget, "cpu", 1, max_new_tokens=4,
-                             workload=workload, keep_usage_in=kept)
+                             workload=workload, on_done=keep)
         try:
             _, steps = read_trace(trace, with_input=True)
             if workload == "corpus":

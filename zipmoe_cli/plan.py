@@ -28,7 +28,7 @@ def _table(plan: dict, console) -> None:
         slots = p["slots"]["per_layer"] if name == "chosen" else p["slots"]
         h = p["expected_hits"]
         style = "bold green" if name == "chosen" else None
-        t.add_row(name, "·".join(str(slots[s]) for s in POOLS),
+        t.add_row(name, "·".join(f"{slots[s]:.3g}" for s in POOLS),  # a part slot: 1.76 (docs/planner.md)
                   format_size(sum(p["pools"].values())),
                   "·".join(f"{h[s]:.2g}" for s in STATES),
                   f"{1e3 * p['expected_layer_makespan_s']:.3f}ms", f"{1e3 * p['expected_tpot_s']:.2f}ms",
@@ -65,6 +65,7 @@ def plan(
     from zipmoe.errors import UsageError
     from zipmoe.machine import decode_workers, resolve_device
     from zipmoe.runtime.plan.calibrate import read_prompts, read_recall, record_trace
+    from zipmoe_cli.default_plan import keep_usage
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
@@ -101,7 +102,7 @@ def plan(
                 raise UsageError(f"--calibrate-tokens must be at least 1, got {calibrate_tokens}")
             traces.append(record_trace(path, prompts, budget_bytes, dev, workers, calibrate_tokens, layout.dtype,
                                        load_options=engine_options, workload=calibrate_workload,
-                                       keep_usage_in=cache_dir()))
+                                       on_done=keep_usage))  # the default plan fits from this routing too
             if not as_json:
                 err.print(f"[dim]calibration trace: {traces[-1]} (reuse it with --trace)[/dim]")
         if traces:

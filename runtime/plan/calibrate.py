@@ -100,13 +100,13 @@ def calibration_inputs(tok, config: dict, prompts: list[str], workload: str = "c
 
 def record_trace(path, prompts: list[str], budget: int, device: str, workers: int, max_new_tokens: int = 32,
                  dtype: str = "bfloat16", load_options: dict | None = None, workload: str = "corpus", seed: int = 0,
-                 temperature: float = 1.0, keep_usage_in=None) -> Path:
+                 temperature: float = 1.0, on_done=None) -> Path:
     """Serve ``prompts`` through the runtime with a trace on (``workload``: ``corpus``, teacher
     forcing of the texts, the default; ``greedy``; ``sample`` at ``temperature``, the seed set
     before each prompt); returns the trace path. ``load_options``: more keyword arguments of
-    ``load`` (``readers``, ``prefetch``, ``force``). ``keep_usage_in``: a cache folder whose kept
-    activation statistics of this container (runtime/plan/default.py) the calibration's routing
-    is added to, as a run of ``chat`` adds its own: the default plan is then fitted from it."""
+    ``load`` (``readers``, ``prefetch``, ``force``). ``on_done(runtime)``: called once the prompts
+    are served (``zipmoe plan`` adds the calibration's routing to the container's kept activation
+    statistics with it, as a run of ``chat`` adds its own: the default plan is then fitted from it)."""
     import torch
 
     from zipmoe.machine import torch_threads
@@ -138,12 +138,8 @@ def record_trace(path, prompts: list[str], budget: int, device: str, workers: in
     finally:
         rt.stop_trace()
     _write_prediction(Path(trace), rt)
-    if keep_usage_in is not None:
-        from zipmoe.runtime.plan.default import record_usage
-
-        snap = rt.counters.snapshot()
-        record_usage(keep_usage_in, rt.container_id, snap.get("uses") or {},
-                     snap.get("layer_calls", 0) // max(1, len(rt.sparse_layers)))
+    if on_done is not None:
+        on_done(rt)
     return Path(trace)
 
 
