@@ -63,7 +63,7 @@ kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s agains
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split, uncompressed at 3.5G and 6G, batch 1; plan and full only at batch 4 (CACHE_B4=) and 512 tokens (CACHE_LONG=); planner check; gpu-tests of GPU_TEST_FILES (§22, §22c: about 30 min with every stage, more than one sitting: SKIP some)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split, uncompressed at 3.5G and 6G, batch 1; plan and full only at batch 4 (CACHE_B4=0: not) and 512 tokens (CACHE_LONG=0: not; CACHE_UNC=0: no uncompressed); planner check; gpu-tests of GPU_TEST_FILES (§22, §22c: about 30 min with every stage, more than one sitting: SKIP some)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -165,7 +165,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     bg_stage gpu-tests "${GPU_TESTS_LIMIT:-200}" gpu_tests
     stage qwen-synth 200 hl qwen-synth
     stage qwen-pack 200 hl qwen-pack
-    [ -n "${CACHE_UNC:-1}" ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
+    [ "${CACHE_UNC:-1}" != 0 ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
     stage qwen-rmsrc 60 hl qwen-rmsrc
     wait_bg  # the profile's passes time the GPU: nothing else on it
     # the profile, then one plan per budget; each calibration also records the file's routing in
@@ -177,12 +177,12 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     for b in $BUDGETS; do
         # (3.5G with uncompressed took more than 330 s on 2 Dec)
         stage "bench-$b" "${BENCH_LIMIT:-420}" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default \
-            --engine zipmoe-basic --engine zipmoe-pools $([ -n "${CACHE_UNC:-1}" ] && echo "--engine uncompressed --raw-container $W/qwen-raw.zmoe") \
+            --engine zipmoe-basic --engine zipmoe-pools $([ "${CACHE_UNC:-1}" != 0 ] && echo "--engine uncompressed --raw-container $W/qwen-raw.zmoe") \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
     done
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
     # batch 4: the plan and full tensors only at every budget
-    if [ -n "${CACHE_B4:-1}" ]; then
+    if [ "${CACHE_B4:-1}" != 0 ]; then
         for b in $BUDGETS; do
             stage "bench-$b-b4" 300 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
@@ -191,7 +191,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     fi
     # 512 new tokens at the larger budget: the plan and full tensors only
     b=${BUDGETS##* }
-    [ -n "${CACHE_LONG:-1}" ] && stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+    [ "${CACHE_LONG:-1}" != 0 ] && stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
         --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
         --time-limit 150 --json "$W/qwen-512.json"
     stage qwen-report-more 60 sh -c "zipmoe bench --report '$W/qwen-b4.json'; zipmoe bench --report '$W/qwen-512.json'"
