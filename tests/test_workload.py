@@ -213,7 +213,7 @@ def test_trace_fallback_gives_the_same_diagnostics(tmp_path_factory, monkeypatch
         assert a[k] == b[k], k
 
 
-def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory):
+def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory, monkeypatch):
     """`zipmoe plan --calibrate builtin` (record_trace): every corpus passage teacher-forced,
     one trace step per forward; the greedy workload is still there; plan.check serves the same rows."""
     import os
@@ -221,6 +221,7 @@ def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory):
     from zipmoe.runtime.engine.loader import requirements
     from zipmoe.runtime.engine.trace import read_trace
     from zipmoe.runtime.plan.calibrate import BUILTIN_PROMPTS, calibration_inputs, read_prompts, record_trace
+    from zipmoe_cli.default_plan import keep_usage
 
     src, path = container(tmp_path_factory, "mixtral")
     assert read_prompts("builtin") == read_prompts("corpus") == wl.corpus_passages()
@@ -235,14 +236,9 @@ def test_calibration_teacher_forces_the_corpus_by_default(tmp_path_factory):
     assert len(rows) == 8 and all(len(p) == 32 and len(f) == 4 for p, f in rows)
     for workload, n_prompts in (("corpus", 8), ("greedy", 2)):
         kept = tmp_path_factory.mktemp(f"kept-{workload}")
-        from zipmoe.runtime.plan.default import record_usage
-
-        def keep(rt):  # what `zipmoe plan --calibrate` does (zipmoe_cli/default_plan.py keep_usage)
-            snap = rt.counters.snapshot()
-            record_usage(kept, rt.container_id, snap["uses"], snap["layer_calls"] // len(rt.sparse_layers))
-
+        monkeypatch.setenv("ZIPMOE_CACHE_DIR", str(kept))  # where `zipmoe plan --calibrate`'s keep_usage writes
         trace = record_trace(path, read_prompts("builtin", workload)[:n_prompts], budget, "cpu", 1, max_new_tokens=4,
-                             workload=workload, on_done=keep)
+                             workload=workload, on_done=keep_usage)
         try:
             _, steps = read_trace(trace, with_input=True)
             if workload == "corpus":

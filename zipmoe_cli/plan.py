@@ -56,6 +56,7 @@ def plan(
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
+    from zipmoe_cli.default_plan import keep_usage
     from zipmoe_cli.env import cache_dir, load_options
 
     engine_options = load_options(force)  # ZIPMOE_READERS / _PREFETCH / _FORCE, and --force
@@ -65,7 +66,6 @@ def plan(
     from zipmoe.errors import UsageError
     from zipmoe.machine import decode_workers, resolve_device
     from zipmoe.runtime.plan.calibrate import read_prompts, read_recall, record_trace
-    from zipmoe_cli.default_plan import keep_usage
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
