@@ -86,23 +86,25 @@ class Loop:
     """Prefill then greedy steps over a StaticCache; ``step`` is GraphedStep or the eager step
     (engine/step.py's forward: the call the graphs capture, as the decode loop makes it)."""
 
-    def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True, batched_sparse=None) -> None:
+    def __init__(self, model, prompt, context: int, graphed, graph_sparse: bool = True, batched_sparse=None,
+                 attention: str = "reproducible") -> None:
         from transformers import StaticCache
 
         from zipmoe.runtime.engine.graphs import GraphedStep
-        from zipmoe.runtime.engine.step import forward
+        from zipmoe.runtime.engine.step import attention_kernels, forward
 
         self.model = model
+        self.attention = attention
         b, n = prompt.shape
         self.cache = StaticCache(config=model.config, max_cache_len=context)
         self.mask = torch.zeros((b, context), dtype=torch.int64, device=prompt.device)
         self.mask[:, :n] = 1
         self.pos = n
-        with torch.no_grad():
+        with torch.no_grad(), attention_kernels(attention, prompt.device):
             self.logits = model(input_ids=prompt, attention_mask=self.mask, past_key_values=self.cache,
                                 use_cache=True).logits[:, -1]
-        self.graph = (GraphedStep(model, self.cache, b, graph_sparse=graph_sparse, batched_sparse=batched_sparse)
-                      if graphed else None)
+        self.graph = (GraphedStep(model, self.cache, b, graph_sparse=graph_sparse, batched_sparse=batched_sparse,
+                                  attention=attention) if graphed else None)
         self._eager = forward
 
     def step(self):
@@ -113,7 +115,7 @@ class Loop:
             if self.graph is not None:
                 self.logits = self.graph(nxt, pos, self.mask)
             else:
-                self.logits = self._eager(self.model, self.cache, nxt, pos, self.mask)
+                self.logits = self._eager(self.model, self.cache, nxt, pos, self.mask, attention=self.attention)
         self.pos += 1
         return self.logits
 
@@ -163,7 +165,7 @@ def measure(name: str, model, prompt, args, graphed: bool, ref_logits=None, grap
             ref_name: str = "hf_eager", batched_sparse=None) -> tuple[dict, list]:
     res: dict = {"engine": name, "batch": int(prompt.shape[0])}
     try:
-        loop = Loop(model, prompt, args.context, graphed, graph_sparse, batched_sparse)
+        loop = Loop(model, prompt, args.context, graphed, graph_sparse, batched_sparse, args.attention)
         logits = [loop.logits.clone()]
         for _ in range(args.skip):
             logits.append(loop.step().clone())
@@ -206,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     ap.add_argument("--context", type=int, default=256, help="static cache length")
+    ap.add_argument("--attention", default="reproducible", choices=["reproducible", "pytorch"],
+                    help="the attention kernels of every engine (engine/step.py attention_kernels)")
     ap.add_argument("--skip", type=int, default=3, help="untimed steps first")
     ap.add_argument("--tokens", type=int, default=16, help="timed steps")
     ap.add_argument("--compare", type=int, default=8, help="steps whose logits are compared")
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     engines = args.engines.split(",")
     results = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
                "transformers": transformers.__version__, "preset": args.preset,
-               "layers": cfg["num_hidden_layers"], "context": args.context, "prompt": args.prompt,
+               "layers": cfg["num_hidden_layers"], "context": args.context, "prompt": args.prompt, "attention": args.attention,
                "tokens": args.tokens, "runs": []}
     prompts = {b: prompt_ids(cfg["vocab_size"], b, args.prompt, "cuda") for b in batches}
 

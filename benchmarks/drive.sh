@@ -58,7 +58,7 @@ DRY=${DRY:-}
 # ---------------------------------------------------------------- the suites
 # name|description (what --list prints; the order is the list's)
 SUITE_TABLE="gpu-tests|pytest -m gpu over tests/ (Triton merge, graphed decode, the loop, staging, prefetch, runtime bit-identity on CUDA)
-fidelity|benchmarks/fidelity_gpu.py --out RUN/fidelity [ARGS after --], then gpu-tests
+fidelity|the attention kernels probed, benchmarks/fidelity_gpu.py --out RUN/fidelity [ARGS after --], gpu-tests; FID_REPRO=1: the check with --attention pytorch; the decode step per attention choice at FID_CONTEXT (4096)
 kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s against a copy), the codec benchmark on every core (§1-3)
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
@@ -81,12 +81,18 @@ suite_gpu_tests() {
     stage gpu-tests 420 gpu_tests
 }
 
-suite_fidelity() {  # the fidelity check (the landed code's chat beside it when .before/ travels), the decode step before/after, the GPU tests
+suite_fidelity() {  # the attention kernels probed; the fidelity check (the landed code's chat beside it when .before/ travels);
+    # the GPU tests; FID_REPRO=1: the check again with PyTorch's own attention kernels (the reproduction); the decode step
+    # with each attention choice at chat's context; before/after when .before/ travels
     stage probe 120 probe
     stage before-install 120 before_install
-    stage fidelity 900 fidelity "$@"
-    stage decode-before-after 420 decode_before_after
+    stage attention-probe 180 fidelity attention-probe --probe-only
+    stage fidelity 900 fidelity fidelity "$@"
     stage gpu-tests 420 gpu_tests
+    [ "${FID_REPRO:-0}" = 1 ] && stage fidelity-pytorch 600 fidelity fidelity-pytorch "$@" --fractions 1.0 --cli-tokens 0 \
+        --steps 160 --attention pytorch
+    stage decode-attention 420 decode_attention
+    stage decode-before-after 420 decode_before_after
 }
 
 suite_kernels() {  # what needs the GPU box but no model: the merge kernel, the codecs on its 16 cores
@@ -355,12 +361,24 @@ gpu_tests() {  # from /tmp: the checkout's own zipmoe/ folder must not shadow th
     x python3 -m pytest -q -p no:cacheprovider -m gpu -rA "${files[@]}"
 }
 
-fidelity() {  # with the landed code in $SITE-before (before_install), its `zipmoe chat` runs the sampled-token check too
-    local before=()
-    [ -d "$SITE-before/zipmoe" ] && before=(--before-site "$SITE-before")
+fidelity() {  # fidelity NAME ARGS: fidelity_gpu.py into RUN/NAME; with the landed code in $SITE-before (before_install),
+    # its `zipmoe chat` runs the sampled-token check too
+    local name=$1 before=(); shift
+    [ -d "${SITE:-}-before/zipmoe" ] && before=(--before-site "$SITE-before")
+    x mkdir -p "$RUN/$name"
+    x cd /tmp
+    x python3 "$REPO/benchmarks/fidelity_gpu.py" --work "${FID_WORK:-/tmp/zipmoe-fidelity}" --out "$RUN/$name" "${before[@]}" "$@"
+}
+
+decode_attention() {  # decode_gpu.py on the fidelity model at chat's context (FID_CONTEXT), each attention choice twice, alternating
+    local W=${FID_WORK:-/tmp/zipmoe-fidelity} L=${FID_LAYERS:-6} a n=0
     x mkdir -p "$RUN/fidelity"
     x cd /tmp
-    x python3 "$REPO/benchmarks/fidelity_gpu.py" --work "${FID_WORK:-/tmp/zipmoe-fidelity}" --out "$RUN/fidelity" "${before[@]}" "$@"
+    for a in reproducible pytorch reproducible pytorch; do
+        x python3 "$REPO/benchmarks/decode_gpu.py" --work "$W" --layers "$L" --batch 1,4 --context "${FID_CONTEXT:-4096}" --tokens 32 \
+            --skip 3 --compare 12 --profile-tokens 0 --engines zipmoe-graphed,zipmoe-eager,hf-eager --attention "$a" \
+            --json "$RUN/fidelity/decode-$a-$((++n)).json"
+    done
 }
 
 before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before
@@ -372,7 +390,7 @@ before_install() {  # the code before the change (.before/: `git archive BASE | 
 
 decode_before_after() {  # decode_gpu.py of each version on the fidelity model's shape, every expert resident, in one call
     local W=${FID_WORK:-/tmp/zipmoe-fidelity} L=${FID_LAYERS:-6} v pp script n=0
-    [ -n "$DRY" ] || [ -d "$SITE-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+    [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
     x cd /tmp
     for v in before after before after; do
         if [ "$v" = before ]; then pp="$SITE-before:$PYTHONPATH"; script=$REPO/.before/benchmarks/decode_gpu.py
@@ -719,6 +737,7 @@ collect() {  # the results into $OUT (the device call's return folder): at most 
     cp "$RUN/progress.log" "$OUT/progress.log" 2>/dev/null
     cp "$RUN/logs/gpu-tests.log" "$OUT/gpu-tests.log" 2>/dev/null
     cp "$RUN/fidelity/fidelity.json" "$OUT/fidelity.json" 2>/dev/null
+    cp "$RUN/attention-probe/attention.json" "$OUT/attention.json" 2>/dev/null
     show_stages > "$OUT/stages.txt" 2>&1
     (cd "$RUN" && find . \( -name '*-src' -o -name offload -o -name source -o -name tokenizer -o -path ./work/dec -o -path ./work/demo \) -prune \
         -o -type f -size -8M ! -name '*.zmoe' ! -name '*.zmoe.tmp*' ! -name '*.safetensors' ! -name '*.gguf' ! -name '*.tgz' \

@@ -13,6 +13,11 @@ the vocabulary; ``--layers`` decoder layers), packed with zstd:
    reference: steps that differ, the first, the largest difference, layers graphed / on the host
    path, hits by state.
 3. **Sampled tokens**: ``temperature 1.0, seed 7`` at every configuration: the same tokens.
+0. **Attention kernels** (``--probe-attention``, ``--probe-only``): ``scaled_dot_product_attention``
+   at the decode shape per kernel (PyTorch's choice, ``reproducible``, cuDNN, memory-efficient,
+   math): the kernel picked, whether repeated calls give the same bits, the time per call.
+   ``--attention`` (``reproducible``, the engine's default, or ``pytorch``) is what the reference
+   and every zipmoe configuration run with (engine/step.py ``attention_kernels``).
 4. **Pinpoint** (only when a configuration differs): at its first differing step, every decoder
    layer's attention, sparse-block input and output recorded (eager) against the reference's,
    and, graphed, each sparse block's input as the host path saw it: the first module that differs.
@@ -48,11 +53,14 @@ def reference_model(src: Path, device: str):
     return m.to(device).eval()
 
 
+ATTENTION = "reproducible"  # --attention: every loop's and the reference's attention kernels (engine/step.py)
+
+
 def teacher_forced(model, prompt: torch.Tensor, stream: list, context: int, graphs: str = "off"):
     """Prefill ``prompt`` then feed ``stream`` one token per step; every step's float32 logits (CPU)."""
     from zipmoe.runtime.engine.loop import DecodeLoop
 
-    loop = DecodeLoop(model, context=context, batch=1, graphs=graphs)
+    loop = DecodeLoop(model, context=context, batch=1, graphs=graphs, attention=ATTENTION)
     with torch.inference_mode():
         out = [loop.prefill(prompt).cpu()]
         for tok in stream:
@@ -69,7 +77,7 @@ def compare(want: list, got: list) -> dict:
 def sampled(model, prompt: torch.Tensor, tokens: int, context: int, graphs: str = "off") -> list:
     from zipmoe.runtime.engine.loop import DecodeLoop
 
-    loop = DecodeLoop(model, context=context, batch=1, graphs=graphs)
+    loop = DecodeLoop(model, context=context, batch=1, graphs=graphs, attention=ATTENTION)
     res = loop.generate(prompt, max_new_tokens=tokens, do_sample=True, temperature=1.0, seed=7,
                         generation_kwargs={"pad_token_id": 0})
     return res.tokens[0]
@@ -81,16 +89,17 @@ def generate_check(ref, prompt: torch.Tensor, tokens: int, context: int) -> dict
 
     from zipmoe.runtime.engine.hf_compat import NO_AUTO_COMPILE, cache_kw
     from zipmoe.runtime.engine.loop import DecodeLoop
+    from zipmoe.runtime.engine.step import attention_kernels
 
     cache = StaticCache(config=ref.config, max_cache_len=context)
-    with torch.inference_mode(), warnings.catch_warnings():
+    with torch.inference_mode(), warnings.catch_warnings(), attention_kernels(ATTENTION, prompt.device):
         warnings.simplefilter("ignore")
         g = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=tokens,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                          **{cache_kw(ref): cache}, **NO_AUTO_COMPILE)
     want_tokens = g.sequences[0, prompt.shape[1]:].tolist()
     want_logits = [x.float().cpu() for x in g.logits]
-    loop = DecodeLoop(ref, context=context, batch=1, graphs="off")
+    loop = DecodeLoop(ref, context=context, batch=1, graphs="off", attention=ATTENTION)
     res = loop.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, keep_logits=True,
                         generation_kwargs={"pad_token_id": 0})
     got_logits = [x.cpu() for x in res.logits]
@@ -113,6 +122,8 @@ def cli_sampling(path: Path, budgets: dict, versions: dict, device: str, tokens:
             cmd = [sys.executable, "-m", "zipmoe_cli", "chat", str(path), "--budget", str(budget), "--device", device,
                    "--prompt", "Tell me a story about a lighthouse keeper.", "--max-new-tokens", str(tokens),
                    "--temperature", "1.0", "--seed", "7", "--json"]
+            if name != "before":  # the landed code before --attention existed
+                cmd += ["--attention", ATTENTION]
             t = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp", timeout=600)
             (out_dir / f"chat-{name}-{label}.log").write_text(proc.stdout[-20000:] + "\n--- stderr\n" + proc.stderr[-20000:])
@@ -172,7 +183,7 @@ def pinpoint(ref, model, prompt, stream, step: int, context: int) -> dict:
 
     out = {"step": step}
     # eager, the reference and zipmoe, hooks on for the step only
-    loop = DecodeLoop(ref, context=context, batch=1, graphs="off")
+    loop = DecodeLoop(ref, context=context, batch=1, graphs="off", attention=ATTENTION)
     loop.prefill(prompt)
     for tok in stream[: step - 1]:
         loop.step(torch.tensor([tok]))
@@ -180,7 +191,7 @@ def pinpoint(ref, model, prompt, stream, step: int, context: int) -> dict:
     want = loop.step(torch.tensor([stream[step - 1]])).cpu()
     for hh in handles:
         hh.remove()
-    loop = DecodeLoop(model, context=context, batch=1, graphs="off")
+    loop = DecodeLoop(model, context=context, batch=1, graphs="off", attention=ATTENTION)
     loop.prefill(prompt)
     for tok in stream[: step - 1]:
         loop.step(torch.tensor([tok]))
@@ -215,8 +226,8 @@ def pinpoint(ref, model, prompt, stream, step: int, context: int) -> dict:
 
         graphs_mod.experts_host_path = spy
         try:
-            loop = DecodeLoop(model, context=context, batch=1, graphs="off")
-            loop.graphed = graphs_mod.GraphedStep(model, loop.cache, 1, graph_sparse=False)
+            loop = DecodeLoop(model, context=context, batch=1, graphs="off", attention=ATTENTION)
+            loop.graphed = graphs_mod.GraphedStep(model, loop.cache, 1, graph_sparse=False, attention=ATTENTION)
             loop.prefill(prompt)
             for tok in stream[: step - 1]:
                 loop.step(torch.tensor([tok]))
@@ -235,6 +246,58 @@ def pinpoint(ref, model, prompt, stream, step: int, context: int) -> dict:
                 break
         out["pieces_first_difference"] = first
     return out
+
+
+# ----------------------------------------------------------------------------- attention kernels
+def attention_probe(device: str, reps: int = 100, heads: int = 16, head_dim: int = 128) -> dict:
+    """``scaled_dot_product_attention`` as a decode step calls it (one query per row, a boolean
+    mask over a static cache of ``ctx`` positions, three quarters written), per kernel: which
+    one PyTorch picks, whether ``reps`` calls on the same inputs give the same bits, and the
+    time per call. The qwen1.5-moe-a2.7b attention shape (16 heads of 128)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B = SDPBackend
+    kinds = {"default": None, "reproducible": [B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH],
+             "cudnn": [B.CUDNN_ATTENTION], "efficient": [B.EFFICIENT_ATTENTION], "math": [B.MATH]}
+
+    def name_of(choice: int) -> str:
+        for b in B.__members__.values():
+            if int(b) == int(choice):
+                return b.name
+        return str(choice)
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for ctx in (80, 640, 4096):
+        for batch in (1, 4):
+            shape = (batch, heads, ctx, head_dim)
+            q = torch.randn((batch, heads, 1, head_dim), device=device, dtype=torch.bfloat16, generator=g)
+            k = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+            v = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+            mask = torch.zeros((batch, 1, 1, ctx), dtype=torch.bool, device=device)
+            mask[..., : ctx * 3 // 4] = True
+            for kind, backends in kinds.items():
+                row = {"context": ctx, "batch": batch, "kernels": kind}
+                ctxm = sdpa_kernel(backends) if backends else torch.inference_mode()
+                try:
+                    with torch.inference_mode(), ctxm:
+                        row["picked"] = name_of(torch._fused_sdp_choice(q, k, v, mask, 0.0, False))
+                        first = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                        outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for _ in range(reps)]
+                        torch.cuda.synchronize()
+                        row["runs_differing"] = sum(not torch.equal(first, o) for o in outs)
+                        row["distinct_results"] = len({o.float().cpu().numpy().tobytes() for o in [first, *outs]})
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                        torch.cuda.synchronize()
+                        row["us_per_call"] = round((time.perf_counter() - t) / reps * 1e6, 1)
+                except RuntimeError as exc:
+                    row["error"] = str(exc).splitlines()[0][:200]
+                rows.append(row)
+                log("attention", json.dumps(row))
+    return {"reps": reps, "heads": heads, "head_dim": head_dim, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- main
@@ -258,7 +321,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="run the reference and every configuration this many times (run-to-run)")
     ap.add_argument("--sdpa", default="default", choices=["default", "cudnn", "flash", "efficient", "math"],
                     help="restrict scaled_dot_product_attention to one backend (diagnosis)")
+    ap.add_argument("--attention", default="reproducible", choices=["reproducible", "pytorch"],
+                    help="the attention kernels of the reference and of every zipmoe configuration (engine/step.py)")
+    ap.add_argument("--probe-attention", action="store_true",
+                    help="first: each attention kernel's choice, run-to-run bits and time at the decode shape")
+    ap.add_argument("--probe-only", action="store_true", help="the attention probe alone (attention.json)")
     args = ap.parse_args(argv)
+    global ATTENTION
+    ATTENTION = args.attention
 
     import zipmoe
     from zipmoe.runtime.engine import graphs as graphs_mod
@@ -268,6 +338,18 @@ def main(argv=None) -> int:
     out_dir = args.out or args.work
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if args.probe_attention or args.probe_only:
+        probe = attention_probe(args.device)
+        probe.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                     cudnn=torch.backends.cudnn.version())
+        (out_dir / "attention.json").write_text(json.dumps(probe, indent=1))
+        print("\n| context | batch | kernels | picked | runs differing (of %d) | distinct | us per call |" % probe["reps"])
+        print("|---:|---:|---|---|---:|---:|---:|")
+        for r in probe["rows"]:
+            print(f"| {r['context']} | {r['batch']} | {r['kernels']} | {r.get('picked', '-')} | "
+                  f"{r.get('runs_differing', r.get('error', '-'))} | {r.get('distinct_results', '-')} | {r.get('us_per_call', '-')} |")
+        if args.probe_only:
+            return 0
     src, path = build(args.work, args.preset, args.layers, args.codec)
     cfg = json.loads((src / "config.json").read_text())
     g = torch.Generator().manual_seed(2026)
@@ -282,7 +364,7 @@ def main(argv=None) -> int:
         sdpa_kernel([backend]).__enter__()  # for the whole run
     dev = args.device
     doc: dict = {"preset": args.preset, "layers": args.layers, "codec": args.codec, "steps": args.steps,
-                 "context": context, "sdpa": args.sdpa, "repeat": args.repeat,
+                 "context": context, "sdpa": args.sdpa, "attention": args.attention, "repeat": args.repeat,
                  "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                  "torch": torch.__version__, "configs": []}
     import transformers
@@ -316,7 +398,7 @@ def main(argv=None) -> int:
     for frac, graphs, prefetch in cases:
         budget = req["budget_for"](frac)
         kw = {} if prefetch is None else {"prefetch": prefetch}
-        model, _ = zipmoe.load(path, budget=budget, device=dev, workers=4, warm=frac >= 1.0, **kw)
+        model, _ = zipmoe.load(path, budget=budget, device=dev, workers=4, warm=frac >= 1.0, attention=ATTENTION, **kw)
         rt = model.zipmoe
         try:
             use = graphs if graphs == "off" or graphs_mod.supported(model, 1) else "off"
@@ -341,7 +423,8 @@ def main(argv=None) -> int:
     if first_bad is not None:
         frac, graphs, prefetch, step = first_bad
         kw = {} if prefetch is None else {"prefetch": prefetch}
-        model, _ = zipmoe.load(path, budget=req["budget_for"](frac), device=dev, workers=4, warm=frac >= 1.0, **kw)
+        model, _ = zipmoe.load(path, budget=req["budget_for"](frac), device=dev, workers=4, warm=frac >= 1.0,
+                               attention=ATTENTION, **kw)
         try:
             with torch.inference_mode():
                 doc["pinpoint"] = {"config": [frac, graphs, prefetch], **pinpoint(ref, model, prompt, stream, step, context)}

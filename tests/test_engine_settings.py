@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_settings_check_their_fields_in_one_line():
     assert EngineSettings().kernels == "exact" and EngineSettings().readers == DEFAULT_READERS
     for bad, match in ((dict(kernels="quick"), "unknown kernels"), (dict(graphs="maybe"), "graphs must be"),
-                       (dict(readers=0), "--readers"), (dict(workers=0), "--workers"), (dict(cache_age=-1), "cache_age")):
+                       (dict(readers=0), "--readers"), (dict(workers=0), "--workers"), (dict(cache_age=-1), "cache_age"),
+                       (dict(attention="fastest"), "attention must be")):
         with pytest.raises(UsageError, match=match) as info:
             EngineSettings(**bad)
         assert "\n" not in str(info.value)
@@ -37,6 +38,66 @@ def test_settings_check_their_fields_in_one_line():
     assert s.resolved("cpu").prefetch is False and s.resolved("cuda").prefetch is True
     assert s.resolved("cpu").slots is False and EngineSettings(slots=True).resolved("cpu").slots is True
     assert set(EngineSettings.names()) == set(s.as_dict())
+
+
+def test_reproducible_attention_leaves_out_cudnn_and_restores_the_choice():
+    """EngineSettings.attention (engine/step.py attention_kernels): ``reproducible`` on CUDA lets
+    scaled_dot_product_attention use flash, memory-efficient and math but not cuDNN's kernel
+    (its bits changed run to run on the H200, docs/benchmarks.md §26) and gives PyTorch's
+    choice back after; ``pytorch``, and the CPU (no cuDNN kernel), leave it alone."""
+    from zipmoe.runtime.engine.step import attention_kernels
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+    assert EngineSettings().attention == "reproducible"
+    with attention_kernels("reproducible", "cuda"):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled()) == before
+    for choice, device in (("pytorch", "cuda"), ("reproducible", "cpu"), ("pytorch", torch.device("cpu"))):
+        with attention_kernels(choice, device):
+            assert cuda.cudnn_sdp_enabled() == before[0], (choice, device)
+    with pytest.raises(ValueError, match="attention must be"):
+        attention_kernels("fastest", "cuda")
+
+
+def test_the_loop_and_the_graphs_take_the_engines_attention(tmp_path_factory, monkeypatch):
+    """zipmoe.load(attention=...) reaches the runtime's settings; a DecodeLoop (and the graphs it
+    builds) runs every forward with it, or with its own ``attention=``; a plain transformers model
+    gets ``reproducible``. Logits stay the reference's (the CPU: both choices are one)."""
+    from zipmoe.runtime.engine import loop as loop_mod
+    from zipmoe.runtime.engine.loop import DecodeLoop
+
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=1)
+    seen = []
+    real = loop_mod.step_forward
+
+    def spy(*args, attention, **kw):
+        seen.append(attention)
+        return real(*args, attention=attention, **kw)
+
+    monkeypatch.setattr(loop_mod, "step_forward", spy)
+    ref = reference(src)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = DecodeLoop(ref, context=16).generate(ids, max_new_tokens=3, do_sample=False, keep_logits=True,
+                                                generation_kwargs={"pad_token_id": 0})
+    assert seen and set(seen) == {"reproducible"}
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1, attention="pytorch")
+    try:
+        assert model.zipmoe.settings.attention == "pytorch"
+        seen.clear()
+        loop = DecodeLoop(model, context=16)
+        assert loop.attention == "pytorch"
+        got = loop.generate(ids, max_new_tokens=3, do_sample=False, keep_logits=True, generation_kwargs={"pad_token_id": 0})
+        assert set(seen) == {"pytorch"}
+        assert all(torch.equal(a, b) for a, b in zip(want.logits, got.logits)) and len(got.logits) == 3
+        assert DecodeLoop(model, context=16, attention="reproducible").attention == "reproducible"
+        with pytest.raises(UsageError, match="attention must be"):
+            DecodeLoop(model, context=16, attention="fastest")
+    finally:
+        model.zipmoe.close()
 
 
 def _reads_env(path: Path) -> list[str]:

@@ -22,6 +22,7 @@ from zipmoe.runtime.engine.hf_compat import NO_AUTO_COMPILE, cache_kw, crop
 from zipmoe.runtime.engine.loader import requirements
 from zipmoe.runtime.engine.kvsize import static_cache_bytes
 from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop
+from zipmoe.runtime.engine.step import attention_kernels
 
 from test_runtime_fixtures import FAMILIES, container, inputs, reference
 
@@ -43,7 +44,10 @@ def _ref_generate(ref, batch: dict, steps: int, context: int = CONTEXT, cache=No
     args = dict(max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
                 pad_token_id=0, **NO_AUTO_COMPILE)  # eager transformers: generate would compile on CUDA
     args.update(kw)
-    with torch.no_grad(), warnings.catch_warnings():
+    # the same attention kernels as the loop's (EngineSettings.attention, its default): on CUDA
+    # PyTorch's own choice may be cuDNN's, which the loop leaves out (its bits change run to run)
+    device = batch["input_ids"].device
+    with torch.no_grad(), warnings.catch_warnings(), attention_kernels("reproducible", device):
         warnings.simplefilter("ignore")
         return ref.generate(**batch, **{cache_kw(ref): cache}, **args)
 

@@ -123,6 +123,7 @@ def chat(
     warm: bool = typer.Option(False, "--warm", help="Fill the full-tensor pool before the first answer."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (config.json's), bfloat16 or float32."),
     kernels: str = typer.Option("exact", "--kernels", metavar="exact|fast", help="exact: bit-identical to transformers' eager experts; fast: its grouped_mm experts (bit-identical to experts_implementation=\"grouped_mm\"; needs every expert in the budget)."),
+    attention: str = typer.Option("reproducible", "--attention", metavar="reproducible|pytorch", help="On CUDA: reproducible: attention kernels whose bits do not change from run to run (flash, memory-efficient, math); pytorch: PyTorch's own choice (cuDNN's kernel first on Hopper, not deterministic)."),
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
 ) -> None:
     """Chat with a model served from its container, bit-identical to the original."""
@@ -165,7 +166,8 @@ def chat(
     plan = resolve(file, plan, budget_bytes, device, workers, engine_options, dtype,
                    say=None if quiet else (lambda line: err.print(line, style="dim", markup=False)))
     model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels, **engine_options)
+                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels, attention=attention,
+                            **engine_options)
     rt = model.zipmoe
     if tokenizer is None:
         rt.close()

@@ -194,10 +194,13 @@ class GraphedStep:
     or already ``[batch, context]``. ``cache``: the transformers StaticCache the prefill filled
     (the graphs hold its tensors). ``graph_sparse=False`` runs every sparse block on the host
     path (for comparisons); ``batched_sparse`` graphs the sparse blocks at batch > 1
-    (:class:`_Grouped`; None: the runtime's ``EngineSettings.batched_sparse``).
+    (:class:`_Grouped`; None: the runtime's ``EngineSettings.batched_sparse``). ``attention``:
+    the attention kernels the eager step and the capture run with (engine/step.py; None: the
+    runtime's ``EngineSettings.attention``).
     """
 
-    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None) -> None:
+    def __init__(self, model, cache, batch: int, graph_sparse: bool = True, batched_sparse: bool | None = None,
+                 attention: str | None = None) -> None:
         reason = why_not(model, batch)
         if reason is not None:
             raise ValueError(f"GraphedStep cannot serve this model: {reason}")
@@ -208,6 +211,7 @@ class GraphedStep:
         self.slots = self.rt.slots
         if batched_sparse is None:
             batched_sparse = self.rt.settings.batched_sparse
+        self.attention = self.rt.settings.attention if attention is None else attention
         self.graph_sparse = graph_sparse and self.batch == 1
         self.graph_grouped = graph_sparse and self.batch > 1 and bool(batched_sparse)
         self._grouped: dict = {}
@@ -253,7 +257,7 @@ class GraphedStep:
 
     def _forward(self, ids, pos, mask):
         """The eager step: the decode loop's own forward."""
-        return step_forward(self.model, self.cache, ids, pos, mask)
+        return step_forward(self.model, self.cache, ids, pos, mask, attention=self.attention)
 
     # ------------------------------------------------------------------ capture
     def _capture(self, input_ids, pos, mask):

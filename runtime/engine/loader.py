@@ -158,7 +158,8 @@ def _experts_modules(model, family: Family, config: dict):
 def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = None, threads: int | None = None,
          direct_io: bool | None = None, warm: bool = False, trace=None, dtype="bfloat16", slots=None,
          kernels: str | None = None, cache_age: int | None = None, readers: int | None = None,
-         prefetch: bool | None = None, force: bool | None = None, settings: EngineSettings | None = None):
+         prefetch: bool | None = None, force: bool | None = None, attention: str | None = None,
+         settings: EngineSettings | None = None):
     """Load ``path`` (.zmoe) as ``(model, tokenizer)`` with experts served under ``budget``.
 
     ``budget``: bytes or a size string ("8G"); it bounds every weight byte the runtime holds
@@ -179,7 +180,9 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
     eager loop computes them, bit for bit; ``"fast"``: transformers' grouped_mm over the slots,
     every expert resident), ``cache_age``, ``force`` (load even when the process's memory limit
     is below its baseline + the budget + the KV cache; otherwise BudgetError says so with the
-    figures), ``graphs`` and ``batched_sparse`` (the decode loop's CUDA graphs). The keyword
+    figures), ``graphs`` and ``batched_sparse`` (the decode loop's CUDA graphs), ``attention``
+    (``"reproducible"``: on CUDA, no cuDNN attention kernel, whose bits change from run to run;
+    ``"pytorch"``: PyTorch's own choice). The keyword
     arguments of the same names override the fields of ``settings``. Nothing here reads the
     environment: the command line does (docs/architecture.md, "Environment variables").
     The tokenizer is None when the container has no tokenizer files.
@@ -188,7 +191,7 @@ def load(path, budget="8G", device="auto", plan=None, *, workers: int | None = N
 
     base = settings if settings is not None else EngineSettings()
     st = base.with_(workers=workers, readers=readers, direct_io=direct_io, prefetch=prefetch, slots=slots,
-                    kernels=kernels, cache_age=cache_age, force=force)
+                    kernels=kernels, cache_age=cache_age, force=force, attention=attention)
     if st.kernels == "fast":
         st = st.with_(slots=True)
         warm = True

@@ -56,6 +56,7 @@ from zipmoe.runtime.engine.hf_compat import crop
 from zipmoe.runtime.engine.kvsize import kv_shapes, max_context
 from zipmoe.runtime.engine.sampling import ForcedTokens, Sampler, eos_ids, finish_reason, generation_config
 from zipmoe.runtime.engine.step import forward as step_forward, static_mask
+from zipmoe.runtime.engine.settings import ATTENTION
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "generate_ids"]
 
@@ -85,10 +86,12 @@ class DecodeLoop:
     ``context``: positions the cache holds per row (clamped to the model's
     ``max_position_embeddings``; ``clamped`` says so). ``batch``: rows (fixed for the loop's
     life; a prompt of fewer rows is refused). ``graphs``: ``"auto"`` | ``"on"`` | ``"off"`` | None
-    (the runtime's setting), see the module docstring.
+    (the runtime's setting), see the module docstring. ``attention``: ``"reproducible"`` |
+    ``"pytorch"`` | None (the runtime's ``EngineSettings.attention``; ``"reproducible"`` for a
+    model that is not a zipmoe model): the attention kernels of every forward, engine/step.py.
     """
 
-    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None) -> None:
+    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None, attention=None) -> None:
         from transformers import StaticCache
 
         if getattr(model.config, "is_encoder_decoder", False):
@@ -106,6 +109,11 @@ class DecodeLoop:
         self.clamped = self.context < self.requested_context
         self.batch = int(batch)
         rt = getattr(model, "zipmoe", None)
+        if attention is None:
+            attention = getattr(getattr(rt, "settings", None), "attention", "reproducible")
+        if attention not in ATTENTION:
+            raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        self.attention = attention
         self.device = rt.device if rt is not None else next(p for p in model.parameters() if p.device.type != "meta").device
         self.dtype = model.dtype
         self.cache = StaticCache(config=model.config, max_cache_len=self.context)
@@ -187,7 +195,7 @@ class DecodeLoop:
 
             ok = mod.why_not(self.model, self.batch) is None
         if ok:
-            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch)
+            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch, attention=self.attention)
         elif graphs == "on":
             raise UsageError(f"CUDA graphs are not available for this model at batch {self.batch} on {self.device} "
                              "(use graphs='auto' to fall back to eager steps)")
@@ -198,7 +206,8 @@ class DecodeLoop:
         """One eager forward over the cache: ``[batch, n]`` new ids at ``position_ids`` ->
         ``[batch, vocab]`` logits of the last new position (model dtype): engine/step.py's
         ``forward``, the call the CUDA graphs capture."""
-        return step_forward(self.model, self.cache, input_ids, position_ids, attention_mask, keep_last=self._keep)
+        return step_forward(self.model, self.cache, input_ids, position_ids, attention_mask, keep_last=self._keep,
+                            attention=self.attention)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, single: bool) -> torch.Tensor:
         try:

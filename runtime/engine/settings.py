@@ -15,12 +15,13 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from zipmoe.errors import UsageError
 
-__all__ = ["EngineSettings", "DEFAULT_READERS", "DEFAULT_AGE_TOKENS", "KERNELS", "GRAPHS"]
+__all__ = ["EngineSettings", "DEFAULT_READERS", "DEFAULT_AGE_TOKENS", "KERNELS", "GRAPHS", "ATTENTION"]
 
 DEFAULT_READERS = 4  # reader threads (queue depth); benchmarks/read_qd.py measures the disk's curve
 DEFAULT_AGE_TOKENS = 4096  # the cache's counts halve every this many tokens (batch 1; engine/cache.py)
 KERNELS = ("exact", "fast")
 GRAPHS = ("auto", "on", "off")
+ATTENTION = ("reproducible", "pytorch")  # engine/step.py: attention_kernels
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class EngineSettings:
     (``False``: they run on the host path).
     ``device_merge``: on CUDA, merge E and SM bytes on the device with Triton (None: when
     Triton is available; ``False``: the decode workers merge on the host).
+    ``attention``: on CUDA, which ``scaled_dot_product_attention`` kernels a step may use:
+    ``reproducible`` (flash, memory-efficient or math: the same bits in every run) or
+    ``pytorch`` (PyTorch's own order, which on Hopper puts cuDNN's kernel first: it is not
+    deterministic, and the same step can round differently from run to run). The CPU has no
+    cuDNN kernel: both are the same there. engine/step.py ``attention_kernels``.
     """
 
     workers: int | None = None
@@ -57,6 +63,7 @@ class EngineSettings:
     graphs: str = "auto"
     batched_sparse: bool = True
     device_merge: bool | None = None
+    attention: str = "reproducible"
 
     def __post_init__(self) -> None:
         if self.workers is not None and int(self.workers) < 1:
@@ -67,6 +74,8 @@ class EngineSettings:
             raise UsageError(f"unknown kernels {self.kernels!r} (use exact or fast)")
         if self.graphs not in GRAPHS:
             raise UsageError(f"graphs must be one of {', '.join(GRAPHS)}, not {self.graphs!r}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {self.attention!r}")
         if int(self.cache_age) < 0:
             raise UsageError("cache_age must be 0 (never) or more tokens")
 

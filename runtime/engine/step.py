@@ -8,15 +8,40 @@ A step feeds one new token per row at ``position_ids`` over a transformers ``Sta
 the same 4-D mask from it as from the ``[batch, seen]`` mask ``generate`` passes (it pads that
 with zeros to the cache's length itself, ``prepare_padding_mask``), and a graph can replay it
 (its shape never changes). ``logits_to_keep=1``, as ``generate`` asks.
+
+The attention kernels are part of the step (:func:`attention_kernels`): on CUDA with
+``attention="reproducible"`` (``EngineSettings``' default) ``scaled_dot_product_attention`` may
+use the flash, memory-efficient or math kernel, not cuDNN's, which PyTorch prefers on Hopper and
+itself calls non-deterministic (it refuses it under ``torch.use_deterministic_algorithms``):
+over a long static cache the same step then rounded differently from run to run on the H200
+(docs/benchmarks.md §21, §26). A graph captures the kernels chosen inside the context, so
+eager and graphed steps run the same ones; a reference computed by transformers for a
+comparison runs inside the same context (``with attention_kernels("reproducible", device):``).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from zipmoe.runtime.engine.hf_compat import cache_kw
+from zipmoe.runtime.engine.settings import ATTENTION
 
-__all__ = ["forward", "static_mask"]
+__all__ = ["forward", "static_mask", "attention_kernels"]
+
+
+def attention_kernels(attention: str, device):
+    """The context a step's attention runs in: ``reproducible`` on CUDA restricts
+    ``scaled_dot_product_attention`` to its flash, memory-efficient and math kernels (PyTorch's
+    order among them); ``pytorch``, or any other device, leaves PyTorch's choice alone."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+    if attention == "pytorch" or torch.device(device).type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def static_mask(attention_mask, position_ids, context: int) -> torch.Tensor:
@@ -37,11 +62,13 @@ def static_mask(attention_mask, position_ids, context: int) -> torch.Tensor:
     return out
 
 
-def forward(model, cache, input_ids, position_ids, attention_mask, keep_last: bool = True) -> torch.Tensor:
+def forward(model, cache, input_ids, position_ids, attention_mask, keep_last: bool = True,
+            attention: str = "reproducible") -> torch.Tensor:
     """One forward over ``cache``: ``[batch, n]`` ids at ``position_ids`` -> ``[batch, vocab]``
     logits of the last position (model dtype). ``keep_last``: pass ``logits_to_keep=1`` (models
-    whose forward takes it)."""
+    whose forward takes it). ``attention``: :func:`attention_kernels`."""
     kw = {"logits_to_keep": 1} if keep_last else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                **{cache_kw(model): cache}, **kw)
+    with attention_kernels(attention, input_ids.device):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    **{cache_kw(model): cache}, **kw)
     return out.logits[:, -1]

@@ -47,6 +47,7 @@ import torch
 from zipmoe.runtime.engine.kvsize import max_context
 from zipmoe.runtime.engine.loop import DecodeLoop, common_prefix
 from zipmoe.runtime.engine.sampling import Sampler, generation_config, sampling_kwargs
+from zipmoe.runtime.engine.step import attention_kernels
 
 __all__ = ["Batch", "LoopBatch", "TransformersStepper", "context_length"]
 
@@ -106,6 +107,8 @@ class TransformersStepper:
         self._keep = "logits_to_keep" in params
         self._positions = "position_ids" in params
         self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        # the batched forward runs the attention kernels the decode loop runs (engine/step.py)
+        self.attention = getattr(getattr(getattr(model, "zipmoe", None), "settings", None), "attention", "reproducible")
         self.can_join = True
         self.loop = None
         self.reused = 0  # prompt tokens the last prefill took from the loop's cache
@@ -235,7 +238,8 @@ class TransformersStepper:
         # no padding: no mask, as generate() drops an all-ones mask (the same attention path)
         if bool((mask == 0).any()):
             kw["attention_mask"] = mask
-        out = self.model(input_ids=ids, **kw)
+        with attention_kernels(self.attention, self.device):
+            out = self.model(input_ids=ids, **kw)
         return out.logits[:, -1, :].float()
 
     @staticmethod
