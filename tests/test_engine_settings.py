@@ -43,7 +43,7 @@ def test_settings_check_their_fields_in_one_line():
 def test_reproducible_attention_leaves_out_cudnn_and_restores_the_choice():
     """EngineSettings.attention (engine/step.py attention_kernels): ``reproducible`` on CUDA lets
     scaled_dot_product_attention use flash, memory-efficient and math but not cuDNN's kernel
-    (its bits changed run to run on the H200, docs/benchmarks.md §26) and gives PyTorch's
+    (its bits changed run to run on the H200, docs/benchmarks.md §23) and gives PyTorch's
     choice back after; ``pytorch``, and the CPU (no cuDNN kernel), leave it alone."""
     from zipmoe.runtime.engine.step import attention_kernels
 

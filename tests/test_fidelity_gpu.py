@@ -9,7 +9,7 @@ with the same attention kernels (``EngineSettings.attention``'s default, engine/
 every step's logits are compared with ``torch.equal``. Budgets mix full hits, misses and
 partial states; graphs on, auto (graphed and host-path layers in one step) and off; prefetch
 on and off. Over a 4096-position cache cuDNN's attention kernel, which PyTorch prefers on
-Hopper, rounded differently from run to run (docs/benchmarks.md §21, §26): the reference is
+Hopper, rounded differently from run to run (docs/benchmarks.md §21, §23): the reference is
 also run twice.
 """
 

@@ -14,7 +14,7 @@ The attention kernels are part of the step (:func:`attention_kernels`): on CUDA 
 use the flash, memory-efficient or math kernel, not cuDNN's, which PyTorch prefers on Hopper and
 itself calls non-deterministic (it refuses it under ``torch.use_deterministic_algorithms``):
 over a long static cache the same step then rounded differently from run to run on the H200
-(docs/benchmarks.md §21, §26). A graph captures the kernels chosen inside the context, so
+(docs/benchmarks.md §21, §23). A graph captures the kernels chosen inside the context, so
 eager and graphed steps run the same ones; a reference computed by transformers for a
 comparison runs inside the same context (``with attention_kernels("reproducible", device):``).
 """
