@@ -91,6 +91,7 @@ class Loop:
         from transformers import StaticCache
 
         from zipmoe.runtime.engine.graphs import GraphedStep
+        from zipmoe.runtime.engine.hf_compat import cache_kw
         from zipmoe.runtime.engine.step import attention_kernels, forward
 
         self.model = model
@@ -101,7 +102,7 @@ class Loop:
         self.mask[:, :n] = 1
         self.pos = n
         with torch.no_grad(), attention_kernels(attention, prompt.device):
-            self.logits = model(input_ids=prompt, attention_mask=self.mask, past_key_values=self.cache,
+            self.logits = model(input_ids=prompt, attention_mask=self.mask, **{cache_kw(model): self.cache},
                                 use_cache=True).logits[:, -1]
         self.graph = (GraphedStep(model, self.cache, b, graph_sparse=graph_sparse, batched_sparse=batched_sparse,
                                   attention=attention) if graphed else None)

@@ -134,7 +134,8 @@ def test_serve_passes_the_environment_to_load(monkeypatch, capsys, tmp_path_fact
     args = ["serve", path, "--port", "0", "--workers", "1", "--threads", "1"]
     code, _, err = run(capsys, *args)
     assert code == 2 and "stopped before serving" in err
-    assert seen[-1].load_options == {"readers": 2, "prefetch": False}
+    got = seen[-1].load_args  # zipmoe_cli/serving.py's, as chat's
+    assert got["readers"] == 2 and got["prefetch"] is False and "force" not in got
     monkeypatch.setenv("ZIPMOE_READERS", "0")
     code, _, err = run(capsys, *args)
     assert_one_line_error(code, err, "ZIPMOE_READERS='0': expected a whole number of at least 1")

@@ -21,6 +21,7 @@ import torch
 import zipmoe
 from zipmoe.runtime.engine.cache import ExpertCache
 from zipmoe.runtime.engine.graphs import GraphedStep, supported, why_not
+from zipmoe.runtime.engine.hf_compat import cache_kw
 from zipmoe.runtime.engine.step import forward as step_forward
 from zipmoe.runtime.engine.loader import requirements
 from zipmoe.runtime.engine.slots import SlotMap
@@ -46,7 +47,7 @@ def decode(model, prompt, steps: int = STEPS, context: int = CONTEXT, graphs: bo
     mask = torch.zeros((b, context), dtype=torch.int64, device=prompt.device)
     mask[:, :n] = 1
     with torch.no_grad():
-        logits = model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:]
+        logits = model(input_ids=prompt, attention_mask=mask, **{cache_kw(model): cache}, use_cache=True).logits[:, -1:]
     out = [logits]
     step = GraphedStep(model, cache, b, batched_sparse=batched_sparse) if graphs else None
     for i in range(steps):
@@ -341,7 +342,7 @@ def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
             pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
             m = mask if padded else None
             with torch.no_grad():
-                logits = ref(input_ids=prompt, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1]
+                logits = ref(input_ids=prompt, attention_mask=m, position_ids=pos, **{cache_kw(ref): cache}).logits[:, -1]
                 got = []
                 for _ in range(4):
                     nxt = logits.argmax(-1, keepdim=True)
@@ -349,7 +350,7 @@ def test_static_mask_computes_what_the_loops_mask_computes(tmp_path_factory):
                     if m is not None:
                         m = torch.cat([m, m.new_ones((batch, 1))], dim=-1)
                     use = static_mask(m, pos, ctx) if convert else m
-                    logits = ref(input_ids=nxt, attention_mask=use, position_ids=pos, past_key_values=cache,
+                    logits = ref(input_ids=nxt, attention_mask=use, position_ids=pos, **{cache_kw(ref): cache},
                                  logits_to_keep=1).logits[:, -1]
                     got.append(logits)
             outs.append(got)
@@ -368,14 +369,14 @@ def _loop_style(model, prompt, mask, ctx, steps, graphed):
     step = GraphedStep(model, cache, batch=batch) if graphed else None
     out = []
     with torch.no_grad():
-        logits = model(input_ids=prompt, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=prompt, attention_mask=m, position_ids=pos, **{cache_kw(model): cache}).logits[:, -1]
         for _ in range(steps):
             nxt = logits.argmax(-1, keepdim=True)
             pos = pos[:, -1:] + 1
             if m is not None:
                 m = torch.cat([m, m.new_ones((batch, 1))], dim=-1)
             if step is None:
-                logits = model(input_ids=nxt, attention_mask=m, position_ids=pos, past_key_values=cache,
+                logits = model(input_ids=nxt, attention_mask=m, position_ids=pos, **{cache_kw(model): cache},
                                use_cache=True, logits_to_keep=1).logits[:, -1]
             else:
                 logits = step(nxt, pos, m)

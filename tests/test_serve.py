@@ -274,6 +274,62 @@ def test_malformed_and_hostile_requests_are_4xx_json(server):
     assert server.metrics().get('zipmoe_requests_total{route="/v1/chat/completions",status="500"}', 0) == 0
 
 
+def _body(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                       **kw}).encode()
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+BAD = [  # method, path, raw body, status, the error's whole message, the Allow header
+    ("GET", "/v1/chat/completions", None, 405, "GET is not allowed on /v1/chat/completions", {"POST"}),
+    ("DELETE", "/v1/completions", None, 405, "DELETE is not allowed on /v1/completions", {"POST"}),
+    ("POST", "/v1/models", None, 405, "POST is not allowed on /v1/models", {"GET", "HEAD"}),
+    ("POST", "/v1/chat/completions", _body(temperature="hot"), 400, "temperature: expected a number, got 'hot'", None),
+    ("POST", "/v1/chat/completions", _body(top_p="high"), 400, "top_p: expected a number, got 'high'", None),
+    ("POST", "/v1/chat/completions", _body(presence_penalty="0"), 400,
+     "presence_penalty: expected a number, got '0'", None),
+    ("POST", "/v1/chat/completions", _body(frequency_penalty=True), 400,
+     "frequency_penalty: expected a number, got true", None),
+    ("POST", "/v1/chat/completions", _body(max_tokens=2.5), 400, "max_tokens: expected an integer, got 2.5", None),
+    ("POST", "/v1/chat/completions", _body(n="1"), 400, "n: expected an integer, got '1'", None),
+    ("POST", "/v1/chat/completions", _body(seed="7"), 400, "seed: expected an integer, got '7'", None),
+    ("POST", "/v1/chat/completions", _body(messages=[{"role": "user", "content": [IMAGE]}]), 400,
+     "messages[0].content[0]: images are not supported", None),
+    ("POST", "/v1/chat/completions", _body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, IMAGE]}]), 400, "messages[0].content[1]: images are not supported",
+     None),
+    ("POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a \\ud800"}]}', 400,
+     "messages[0].content: not valid Unicode (an unpaired surrogate)", None),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": "\\udfff", "max_tokens": 2}', 400,
+     "prompt: not valid Unicode (an unpaired surrogate)", None),
+]
+
+
+def test_bad_requests_answer_one_clear_line_and_the_next_request_is_served(server):
+    """A wrong method carries Allow; a wrong type names the type expected; an image part and an
+    unpaired surrogate are refused by name; after each, a good request is answered."""
+    with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as http:
+        for method, path, body, status, message, allow in BAD:
+            r = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (method, path, body, r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert err["message"] == message and err["type"] == "invalid_request_error", (body, r.text[:300])
+            if allow is not None:
+                assert {m.strip() for m in r.headers["allow"].split(",")} == allow
+            ok = http.post("/v1/chat/completions", content=_body())
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text[:300]
+    # a list of text parts is the string they join (what OpenAI clients send)
+    client = server.client()
+    parts = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                                                  {"type": "text", "text": "there"}]}],
+                                           extra_body={"return_token_ids": True})
+    plain = _chat(client, "Hello there", max_tokens=4, temperature=0, extra_body={"return_token_ids": True})
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert parts.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert server.metrics().get('zipmoe_requests_total{route="/v1/chat/completions",status="500"}', 0) == 0
+
+
 def test_disconnect_mid_stream_frees_the_slot(server):
     before = server.metrics()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 400, "stream": True,

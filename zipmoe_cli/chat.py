@@ -131,7 +131,6 @@ def chat(
 
     from zipmoe.errors import UsageError, ZipmoeError
     from zipmoe.runtime.engine.turn import chat_inputs, chat_turn
-    from zipmoe.machine import decode_workers, torch_threads
     from zipmoe.runtime.engine.loader import load
     from zipmoe.runtime.engine.loop import ContextFull, DecodeLoop
     from zipmoe.units import format_size, parse_size
@@ -139,9 +138,6 @@ def chat(
     prompts = list(prompt or [])
     if as_json and not prompts:
         raise UsageError("--json needs --prompt (one turn, one JSON document)")
-    from zipmoe_cli.env import load_options
-
-    engine_options = load_options(force)  # ZIPMOE_READERS / _PREFETCH / _FORCE, and --force
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
     if temperature is not None and temperature < 0:
@@ -153,21 +149,20 @@ def chat(
     if workers < 0 or threads < 0:
         raise UsageError("--workers and --threads must be at least 1")
     budget_bytes = parse_size(budget)
-    workers = workers or decode_workers()
-    threads = threads or torch_threads(workers)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Console(highlight=False, soft_wrap=True)
     quiet = as_json
 
     if not quiet:
         err.print(f"loading {file} …", style="dim", markup=False)
-    from zipmoe_cli.default_plan import keep_usage, resolve
+    from zipmoe_cli.default_plan import keep_usage
+    from zipmoe_cli.serving import load_args
 
-    plan = resolve(file, plan, budget_bytes, device, workers, engine_options, dtype,
-                   say=None if quiet else (lambda line: err.print(line, style="dim", markup=False)))
-    model, tokenizer = load(file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                            warm=warm, trace=trace_out, dtype=dtype, kernels=kernels, attention=attention,
-                            **engine_options)
+    args = load_args(file, budget_bytes=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
+                     dtype=dtype, warm=warm, force=force, attention=attention,
+                     say=None if quiet else (lambda line: err.print(line, style="dim", markup=False)))
+    threads = args["threads"]
+    model, tokenizer = load(file, trace=trace_out, kernels=kernels, **args)
     rt = model.zipmoe
     if tokenizer is None:
         rt.close()

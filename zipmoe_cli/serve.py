@@ -41,7 +41,8 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most requests queued for a slot (429 above)."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", help="Seconds requests in flight may take to finish after SIGTERM/Ctrl-C."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level (info shows every request)."),
-    context: int = typer.Option(4096, "--context", help="KV cache in tokens of the decode loop a lone request runs on, as `zipmoe chat` (clamped to the model's max_position_embeddings; on top of --budget)."),
+    context: int = typer.Option(4096, "--context", help="KV cache in tokens of the decode loop a lone request runs on, as `zipmoe chat`, and the longest prompt + answer a request may have (clamped to the model's max_position_embeddings; on top of --budget)."),
+    attention: str = typer.Option("reproducible", "--attention", metavar="reproducible|pytorch", help="On CUDA, as `zipmoe chat --attention`: reproducible attention kernels (the default), or PyTorch's own choice."),
 ) -> None:
     """Serve a model over HTTP with the OpenAI API (chat, completions, streaming, metrics)."""
     from zipmoe.errors import ContainerError, UsageError
@@ -63,9 +64,12 @@ def serve(
         raise UsageError(f"unknown --log-level {log_level!r} (use critical, error, warning, info, debug or trace)")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key (or ZIPMOE_API_KEY) is empty")
+    from zipmoe.runtime.engine.settings import ATTENTION
     from zipmoe_cli.env import engine_env
 
-    engine_options = engine_env()  # ZIPMOE_READERS / _PREFETCH / _FORCE
+    if attention not in ATTENTION:
+        raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+    engine_env()  # ZIPMOE_READERS / _PREFETCH / _FORCE: a wrong value stops here, before the port is taken
     budget_bytes = parse_size(budget)
     body_bytes = parse_size(max_body)
     if body_bytes < 1024:
@@ -92,10 +96,6 @@ def serve(
     except ImportError as exc:
         raise UsageError(f"zipmoe serve needs the serve extra ({exc.name} is missing): pip install 'zipmoe[serve]'") from None
 
-    from zipmoe.machine import decode_workers, torch_threads
-
-    workers = workers or decode_workers()
-    threads = threads or torch_threads(workers)
     sock = _bind(host, port)
     actual_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -103,16 +103,15 @@ def serve(
          f"listening on http://{shown}:{actual_port}")
 
     from zipmoe.runtime.server.app import ServeConfig, ServerState, build_app
-    from zipmoe_cli.default_plan import keep_usage, resolve
+    from zipmoe_cli.default_plan import keep_usage
+    from zipmoe_cli.serving import load_args
 
-    plan = resolve(file, plan, budget_bytes, device, workers, engine_options, dtype,
-                   say=lambda line: _say(f"zipmoe serve: {line}"))
-
-    cfg = ServeConfig(file=file, budget=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
-                      dtype=dtype, warm=warm, model_name=model_name or file.stem, api_key=api_key,
+    args = load_args(file, budget_bytes=budget_bytes, device=device, plan=plan, workers=workers, threads=threads,
+                     dtype=dtype, warm=warm, attention=attention, say=lambda line: _say(f"zipmoe serve: {line}"))
+    cfg = ServeConfig(file=file, load_args=args, model_name=model_name or file.stem, api_key=api_key,
                       max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens,
                       default_max_tokens=default_max_tokens, max_body=body_bytes, shutdown_timeout=shutdown_timeout,
-                      context=context, load_options=engine_options)
+                      context=context)
     server_box: dict = {}
 
     def on_fatal(exc) -> None:

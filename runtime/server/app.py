@@ -46,13 +46,7 @@ ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/
 @dataclass
 class ServeConfig:
     file: Path
-    budget: int
-    device: str = "auto"
-    plan: Path | None = None
-    workers: int = 1
-    threads: int = 1
-    dtype: str = "auto"
-    warm: bool = False
+    load_args: dict  # zipmoe.load keywords (budget, device, plan, workers, ...): zipmoe_cli/serving.py, as chat
     model_name: str = "model"
     api_key: str | None = None
     max_batch: int = 8
@@ -61,8 +55,7 @@ class ServeConfig:
     default_max_tokens: int = 1024  # when a request does not say
     max_body: int = 1 << 20
     shutdown_timeout: float = 10.0
-    context: int = 4096  # the lone-request decode loop's KV cache (tokens; clamped to the model's limit)
-    load_options: dict | None = None  # more zipmoe.load keywords (readers, prefetch, force: the CLI's environment)
+    context: int = 4096  # the lone-request decode loop's KV cache and every request's limit (clamped to the model's)
 
 
 class ServerState:
@@ -115,8 +108,7 @@ class ServerState:
         from .stepper import TransformersStepper, context_length
 
         c = self.cfg
-        model, tokenizer = load(c.file, budget=c.budget, device=c.device, plan=c.plan, workers=c.workers,
-                                threads=c.threads, warm=c.warm, dtype=c.dtype, **(c.load_options or {}))
+        model, tokenizer = load(c.file, **c.load_args)
         self.model = model
         if tokenizer is None:
             raise UsageError(f"{c.file} has no tokenizer files: serve needs one")
@@ -126,7 +118,8 @@ class ServerState:
             raise UsageError(f"{c.file}: {exc}") from None
         self.stepper = stepper
         self.tokenizer = tokenizer
-        self.context = context_length(model, tokenizer)
+        # one context figure: the lone request's decode loop (chat's), which every request then fits
+        self.context = stepper.loop.context if stepper.loop is not None else context_length(model, tokenizer)
         self.vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
             else int(model.config.vocab_size)
         self.engine.attach(stepper, tokenizer, context=self.context,
@@ -205,8 +198,9 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
+           headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
 def _api_error(exc: ApiError) -> JSONResponse:
@@ -373,7 +367,8 @@ def build_app(state: ServerState) -> Starlette:
         if exc.status_code == 404:
             return _error(404, f"no route {request.url.path}", code="not_found")
         if exc.status_code == 405:
-            return _error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+            return _error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
+                          headers=exc.headers)  # Starlette's Allow: the route's methods
         return _error(exc.status_code, str(exc.detail))
 
     async def crashed(request: Request, exc: Exception) -> Response:

@@ -79,6 +79,7 @@ class Request:
         self.cancelled = False
         self.token_ids: list[int] = []
         self.cached_tokens = 0  # prompt tokens whose KV came from the cache (not computed)
+        self.path = ""  # how it was prefilled: "loop" (alone, on the decode loop, as chat) or "batch"
         self.text = ""
         self.sent = ""  # text already handed out as deltas
         self.finish_reason: str | None = None
@@ -224,6 +225,14 @@ class Engine:
         new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone)
         if alone:
             take[0].cached_tokens = int(self.stepper.reused)
+        path = getattr(self.stepper, "path", "batch")
+        for r in take:
+            r.path = path
+            if self.metrics is not None:
+                self.metrics.path(path)
+        log.info("prefill: %d request(s), %d prompt tokens, on the %s path%s", len(take),
+                 sum(len(r.prompt_ids) for r in take), path,
+                 f" ({take[0].cached_tokens} from the cache)" if alone and take[0].cached_tokens else "")
         if self.metrics is not None:
             self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
         for i, r in enumerate(take):
@@ -242,7 +251,10 @@ class Engine:
             if batch is None:
                 self._rows = list(take)
                 return new
+            moved = [r for r in self._rows if r.path == "loop"] if len(self._rows) == 1 else []
             self._rows = self._rows + list(take)
+        if moved and self.metrics is not None:  # the lone row leaves the decode loop for the batch
+            self.metrics.path("moved")
         return self.stepper.join(batch, new)
 
     def _drop(self, batch):
@@ -266,6 +278,7 @@ class Engine:
         self.steps += 1
         if self.metrics is not None:
             self.metrics.step(len(rows), time.perf_counter() - t0)
+            self.metrics.batch_size(len(rows))  # every step, the lone request's on the decode loop too (1)
         for i, r in enumerate(rows):
             self._accept(r, self._sample(r, logits[i:i + 1]), len(r.prompt_ids) + len(r.token_ids) + 1)
 

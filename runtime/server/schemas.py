@@ -3,12 +3,16 @@
 Bodies are validated with pydantic in strict mode (``"5"`` is not a number, ``true`` is not an
 integer); fields this server does not implement are accepted when they carry their default
 value (clients send ``presence_penalty: 0``, ``logprobs: false``, ``user``, ...) and refused with
-a 400 naming the field otherwise. Every refusal is an :class:`ApiError`, which the app turns into
+a 400 naming the field otherwise. A wrong type is named (``temperature: expected a number, got
+'hot'``); image content parts are refused (text only), and so is a string that is not valid
+Unicode (an unpaired surrogate such as ``"\\ud800"``: JSON lets it through, tokenizers fail on it).
+Every refusal is an :class:`ApiError`, which the app turns into
 ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -87,16 +91,20 @@ class _Base(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content; :meth:`ChatRequest.check` accepts text parts only."""
     model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["text"]
-    text: StrictStr
+    type: StrictStr
+    text: Optional[StrictStr] = None
+
+
+IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    content: Optional[Union[StrictStr, list[ContentPart]]] = None
     name: Optional[StrictStr] = None
 
     def text(self) -> str:
@@ -126,6 +134,16 @@ class ChatRequest(_Base):
             raise ApiError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ApiError(400, "only response_format type 'text' is supported", param="response_format")
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                where = f"messages[{i}].content[{j}]"
+                if part.type in IMAGE_PARTS:
+                    raise ApiError(400, f"{where}: images are not supported", param=where)
+                if part.type != "text":
+                    raise ApiError(400, f"{where}: content parts of type {part.type!r} are not supported "
+                                   "(only 'text')", param=where)
+                if part.text is None:
+                    raise ApiError(400, f"{where}.text: a text part needs its text", param=f"{where}.text")
 
     def conversation(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -167,17 +185,84 @@ def parse(cls, data) -> Any:
     """``cls`` from a decoded JSON body, or an :class:`ApiError` naming the first bad field."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    bad = _surrogate(data)
+    if bad is not None:
+        raise ApiError(400, f"{bad or 'body'}: not valid Unicode (an unpaired surrogate)", param=bad or None)
     try:
         obj = cls.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not _type_tag(x))
-        msg = err.get("msg", "invalid value")
-        raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
+        errs = [(_loc(e.get("loc", ())), e) for e in exc.errors()]
+        # a union answers once per member: keep the first field's deepest errors (the member that
+        # got furthest) and name the types they expect
+        head = errs[0][0]
+        mine = [(loc, e) for loc, e in errs if loc[:len(head)] == head]
+        loc = max((loc for loc, _ in mine), key=len)
+        same = [e for at, e in mine if at == loc]
+        wants = [_EXPECTED.get(e["type"]) for e in same]
+        if all(wants):
+            if "a number" in wants:  # int | float
+                wants = [w for w in wants if w != "an integer"]
+            wants = list(dict.fromkeys(wants))
+            either = wants[0] if len(wants) == 1 else ", ".join(wants[:-1]) + " or " + wants[-1]
+            msg = f"expected {either}, got {_got(same[0].get('input'))}"
+        else:
+            msg = same[0].get("msg", "invalid value")
+        path = _path(loc)
+        raise ApiError(400, f"{path or 'body'}: {msg}", param=path or None) from None
     obj.check()
     return obj
 
 
-def _type_tag(x) -> bool:
-    """pydantic's location entries that name a union member's type, not a field."""
-    return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "dict", "TextPart"})
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "string_type": "a string", "bool_type": "a boolean",
+             "list_type": "a list", "dict_type": "an object", "model_type": "an object"}
+
+
+def _loc(loc) -> tuple:
+    """A pydantic location without the entries that name a union member's type (``str``, ``list[int]``)."""
+    return tuple(x for x in loc if not (isinstance(x, str) and (
+        "[" in x or x in {"str", "int", "float", "bool", "dict", "ContentPart"})))
+
+
+def _path(loc) -> str:
+    """``("messages", 0, "content")`` as ``messages[0].content``."""
+    return "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else str(x)) for i, x in enumerate(loc))
+
+
+def _got(value) -> str:
+    """A bad value, short, for an error message."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # an unpaired surrogate
+        return False
+    return True
+
+
+def _surrogate(data) -> str | None:
+    """Where a string holding an unpaired surrogate is (``messages[0].content``), or None."""
+    todo = [("", data)]
+    while todo:  # not recursive: a deeply nested body is no stack overflow
+        path, node = todo.pop()
+        inner = []
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(key, str) and not _unicode(key):
+                return path
+            if isinstance(value, (str, dict, list)):
+                where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+                if isinstance(value, str):
+                    if not _unicode(value):
+                        return where
+                else:
+                    inner.append((where, value))
+        todo.extend(reversed(inner))
+    return None

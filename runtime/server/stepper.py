@@ -112,6 +112,7 @@ class TransformersStepper:
         self.can_join = True
         self.loop = None
         self.reused = 0  # prompt tokens the last prefill took from the loop's cache
+        self.path = ""  # the last prefill's path: "loop" (the decode loop, as chat) or "batch" (transformers' forward)
         self._prompt_len = 0  # the prompt the loop's cache was last filled from
         self._samplers: dict = {}  # (temperature, top_p) -> a Sampler that reads no ids (stateless: shared)
         if context:
@@ -143,7 +144,9 @@ class TransformersStepper:
     def prefill(self, prompts: list[list[int]], alone: bool = False):
         self.reused = 0
         if alone and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
+            self.path = "loop"
             return self._prefill_loop(prompts[0])
+        self.path = "batch"
         from transformers import DynamicCache
 
         width = max(len(p) for p in prompts)
