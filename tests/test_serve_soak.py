@@ -5,8 +5,11 @@ synth Mixtral (a subprocess on a free local port, as tests/test_serve.py starts 
 a fifth cut by the client mid-stream. Checked: no errors (every request not cut answered in full),
 cuts made in both parts, the server still healthy after (/health 200, no request left running),
 and the RSS report there (baseline after the warm-up, a sample after each part and after the idle
-pause, each with its deviation; the table and the verdict in the text). Flatness is not asserted
-at this N on a shared machine: the real check is the benchmark's own run at N = 200 and more.
+pause, each with its deviation; the table and the verdict in the text). Flatness is not asserted:
+at this N the sequential part stays within 2% but the concurrent one has grown about 10% on this
+box (the batched path's RSS keeps growing, 2026-12-02: +44% at N = 200, +70% at N = 600, with
+--max-batch 16), so ``passed`` is only checked to follow ``flat``; the real check is the
+benchmark's own run at N = 200 and more.
 The command line with ``--url`` and no ``--pid`` says that RSS cannot be read and reports errors
 only (exit 0 when there are none).
 """
