@@ -1,5 +1,5 @@
-"""The server's /metrics text for the batch size of every decode step (``zipmoe_batch_size``, a
-histogram over 1, 2, 4, 8, 16, 32, +Inf) and the requests by path
+"""The server's /metrics text for the batch size of every decode step (``zipmoe_step_batch_size``,
+a histogram over 1, 2, 4, 8, 16, 32, 64, +Inf) and the requests by path
 (``zipmoe_requests_by_path_total{path}``): their exposition from :class:`Metrics` directly, and
 the batch sizes the engine records as it steps (a lone request's steps count as batch 1), over a
 fake stepper (no model: fast)."""
@@ -20,7 +20,7 @@ from zipmoe.runtime.server.batcher import Engine, Request, SamplingParams  # noq
 from zipmoe.runtime.server.metrics import Metrics  # noqa: E402
 
 VOCAB = 16
-LE = ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "+Inf")
+LE = ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "+Inf")
 
 
 def _metrics(engine=None) -> Metrics:
@@ -37,23 +37,23 @@ def _samples(m: Metrics) -> dict:
 
 
 def _buckets(samples: dict) -> dict:
-    return {dict(k)["le"]: v for (name, k), v in samples.items() if name == "zipmoe_batch_size_bucket"}
+    return {dict(k)["le"]: v for (name, k), v in samples.items() if name == "zipmoe_step_batch_size_bucket"}
 
 
 def test_batch_size_histogram_exposition():
     m = _metrics()
     s = _samples(m)
     assert _buckets(s) == {le: 0 for le in LE}  # shown before any step, all at 0
-    assert s[("zipmoe_batch_size_count", frozenset())] == 0
+    assert s[("zipmoe_step_batch_size_count", frozenset())] == 0
     for rows in (1, 1, 3, 5, 16, 40):
-        m.batch_size(rows)
+        m.step(rows, 0.001)
     s = _samples(m)
-    assert _buckets(s) == {"1.0": 2, "2.0": 2, "4.0": 3, "8.0": 4, "16.0": 5, "32.0": 5, "+Inf": 6}
-    assert s[("zipmoe_batch_size_sum", frozenset())] == 1 + 1 + 3 + 5 + 16 + 40
-    assert s[("zipmoe_batch_size_count", frozenset())] == 6
+    assert _buckets(s) == {"1.0": 2, "2.0": 2, "4.0": 3, "8.0": 4, "16.0": 5, "32.0": 5, "64.0": 6, "+Inf": 6}
+    assert s[("zipmoe_step_batch_size_sum", frozenset())] == 1 + 1 + 3 + 5 + 16 + 40
+    assert s[("zipmoe_step_batch_size_count", frozenset())] == 6
     text = m.render().decode()
-    assert "# TYPE zipmoe_batch_size histogram" in text
-    assert 'zipmoe_batch_size_bucket{le="+Inf"} 6.0' in text
+    assert "# TYPE zipmoe_step_batch_size histogram" in text
+    assert 'zipmoe_step_batch_size_bucket{le="+Inf"} 6.0' in text
 
 
 def test_requests_by_path_exposition():
@@ -145,8 +145,6 @@ def test_the_engine_records_every_decode_steps_batch_size():
     assert [r.finish_reason for r in batch + [lone]] == ["length"] * 4
     assert all(len(r.token_ids) == r.params.max_tokens for r in batch + [lone])
     s = _samples(m)
-    assert _buckets(s) == {"1.0": 3, "2.0": 3, "4.0": 5, "8.0": 5, "16.0": 5, "32.0": 5, "+Inf": 5}
-    assert s[("zipmoe_batch_size_count", frozenset())] == 5 == engine.steps
-    assert s[("zipmoe_batch_size_sum", frozenset())] == 2 * 3 + 3 * 1
-    # the step histogram that was already there agrees
-    assert s[("zipmoe_step_batch_size_count", frozenset())] == 5
+    assert _buckets(s) == {"1.0": 3, "2.0": 3, "4.0": 5, "8.0": 5, "16.0": 5, "32.0": 5, "64.0": 5, "+Inf": 5}
+    assert s[("zipmoe_step_batch_size_count", frozenset())] == 5 == engine.steps
+    assert s[("zipmoe_step_batch_size_sum", frozenset())] == 2 * 3 + 3 * 1

@@ -278,7 +278,6 @@ class Engine:
         self.steps += 1
         if self.metrics is not None:
             self.metrics.step(len(rows), time.perf_counter() - t0)
-            self.metrics.batch_size(len(rows))  # every step, the lone request's on the decode loop too (1)
         for i, r in enumerate(rows):
             self._accept(r, self._sample(r, logits[i:i + 1]), len(r.prompt_ids) + len(r.token_ids) + 1)
 

@@ -4,8 +4,8 @@ Counted by the server as it goes (:class:`Metrics`): HTTP requests by route and 
 (``zipmoe_requests_total``), finished generations by reason (``zipmoe_generations_total``:
 ``stop``, ``length``, ``cancelled``, ``error``), prompt and generated tokens, time to first
 token and time per output token (histograms, per request), the sizes of the batches stepped
-and prefilled, the batch size of every decode step the engine ran (``zipmoe_batch_size``:
-a lone request's steps on the decode loop count as batch 1) and requests by the path they
+and prefilled (``zipmoe_step_batch_size``: every decode step the engine ran, a lone request's
+steps on the decode loop as batch 1) and requests by the path they
 took (``zipmoe_requests_by_path_total{path}``: ``loop``, ``batch``, ``moved``). Read from
 the runtime at each scrape (:class:`RuntimeCollector`): requests running and waiting, whether
 the model is loaded, expert-cache hits per pool (``full``, ``compressed``, ``sm_only``,
@@ -26,7 +26,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-_STEP_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # zipmoe_batch_size (+Inf added by prometheus_client)
 PATHS = ("loop", "batch", "moved")
 
 
@@ -54,9 +53,6 @@ class Metrics:
         self.prefill_batch = Histogram("zipmoe_prefill_batch_size", "Prompts in each prefill.",
                                        buckets=_BATCH_BUCKETS, registry=r)
         self.prefill_tokens = Counter("zipmoe_prefill_tokens", "Prompt tokens prefilled.", registry=r)
-        self.batch_sizes = Histogram("zipmoe_batch_size", "Batch size (rows) of every decode step the server ran "
-                                     "(a lone request's steps on the decode loop: 1).",
-                                     buckets=_STEP_BATCH_BUCKETS, registry=r)
         self.paths = Counter("zipmoe_requests_by_path", "Requests by the path they took: loop (alone, on the "
                              "decode loop), batch (prefilled with others, the batched forward), moved "
                              "(a lone request that left the loop when others joined it).", ["path"], registry=r)
@@ -72,10 +68,6 @@ class Metrics:
     def step(self, rows: int, seconds: float) -> None:
         self.step_batch.observe(rows)
         self.step_seconds.observe(seconds)
-
-    def batch_size(self, rows: int) -> None:
-        """One decode step of ``rows`` rows ran (a lone request's step: 1)."""
-        self.batch_sizes.observe(int(rows))
 
     def path(self, kind: str) -> None:
         """One request took path ``kind`` (``loop``, ``batch``, or ``moved``: a lone request whose
