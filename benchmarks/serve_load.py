@@ -183,6 +183,15 @@ def sse_events(lines):
         yield "\n".join(data)
 
 
+def in_threads(n: int, fn) -> None:
+    """``fn`` on ``n`` threads at once; returns when every one has ended."""
+    threads = [threading.Thread(target=fn) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def run_level(http, url: str, model: str, clients: int, requests: int, new_tokens: int,
               api_key: str | None = None) -> dict:
     """``requests`` streamed requests, ``clients`` at a time (each client thread sends its next
@@ -209,11 +218,7 @@ def run_level(http, url: str, model: str, clients: int, requests: int, new_token
                 (errors if "error" in r else results).append(r)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(clients, worker)
     wall = time.perf_counter() - t0
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
@@ -454,11 +459,7 @@ def soak(url: str, n: int, *, model: str | None = None, new_tokens: int = 8, max
                     counted()
 
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads(clients, worker)
         conc_part = tally(conc, clients, time.perf_counter() - t0)
         sample("after concurrent", count)
         time.sleep(idle_s)
@@ -635,11 +636,7 @@ def main() -> int:
                          progress=lambda r: print(describe(r), file=sys.stderr))
         m = scrape(url, args.api_key)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(120)
-        if sampler is not None:
-            sampler.running = False
+        stop_server(proc, sampler)
     budget = m.get("zipmoe_budget_bytes", 0)
     out = {"levels": levels, "budget_bytes": budget, "peak_held_bytes": m.get("zipmoe_peak_held_bytes"),
            "peak_rss_bytes": sampler.peak if sampler else None, "max_batch": args.max_batch,
@@ -669,6 +666,15 @@ def main() -> int:
     return 0 if all(r["errors"] == 0 for r in levels) else 1
 
 
+def stop_server(proc, sampler) -> None:
+    """End the server this script started (if it did) and its RSS sampling."""
+    if proc is not None:
+        proc.terminate()
+        proc.wait(120)
+    if sampler is not None:
+        sampler.running = False
+
+
 def soak_main(args, url: str, proc, sampler) -> int:
     """``--soak N``: :func:`soak` on ``url`` (the server ``proc`` started, or ``--url``), its
     report, ``--json``; 0 when it passed."""
@@ -689,11 +695,7 @@ def soak_main(args, url: str, proc, sampler) -> int:
                    api_key=args.api_key, rss=rss, cancel=args.cancel, seed=args.seed, idle_s=args.idle,
                    progress=show)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(120)
-        if sampler is not None:
-            sampler.running = False
+        stop_server(proc, sampler)
     res["peak_rss_bytes"] = sampler.peak if sampler else None  # every 50 ms, from the start of the server
     res["exit_code"] = proc.returncode if proc else None
     print()

@@ -16,7 +16,6 @@ only (exit 0 when there are none).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -31,19 +30,9 @@ psutil = pytest.importorskip("psutil")
 
 from test_runtime_fixtures import container  # noqa: E402
 from test_serve import Server  # noqa: E402
+from test_serve_load import SCRIPT, serve_load  # noqa: E402  (the script, loaded once)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
 N = 30
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("serve_load_soak", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve_load = _load()
 
 
 @pytest.fixture(scope="module")
