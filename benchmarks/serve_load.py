@@ -119,7 +119,7 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
     ``cancel_after``: the client leaves once that many content chunks have come (0: after the
     first event, the role chunk): the stream is closed unread, ``cancelled`` is True (and ``ok``
     False); a stream that ends first is judged as any other."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth(api_key)
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     times: list[float] = []  # arrival time of each content chunk
@@ -235,7 +235,7 @@ def run_level(http, url: str, model: str, clients: int, requests: int, new_token
 
 
 def first_model(http, url: str, api_key: str | None = None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth(api_key)
     resp = http.get(url.rstrip("/") + "/v1/models", headers=headers)
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
@@ -284,16 +284,24 @@ def describe(r: dict) -> str:
     return line
 
 
-def scrape(url: str, key: str | None) -> dict:
-    import httpx
+def _auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text as {sample with its labels: value}."""
     out = {}
-    for line in httpx.get(url + "/metrics", headers=headers, timeout=30).text.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def scrape(url: str, key: str | None) -> dict:
+    import httpx
+
+    return parse_metrics(httpx.get(url + "/metrics", headers=_auth(key), timeout=30).text)
 
 
 SOAK_TOLERANCE = 0.05  # every RSS sample after the warm-up within +-5% of the post-warm-up RSS: flat
@@ -301,17 +309,10 @@ SOAK_TOLERANCE = 0.05  # every RSS sample after the warm-up within +-5% of the p
 
 def _metrics_or_none(http, url: str, api_key: str | None) -> dict | None:
     """/metrics as {name: value}, or None where the server has none (not zipmoe, an error)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth(api_key)
     try:
         resp = http.get(url.rstrip("/") + "/metrics", headers=headers, timeout=30)
-        if resp.status_code != 200:
-            return None
-        out = {}
-        for line in resp.text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_metrics(resp.text) if resp.status_code == 200 else None
     except Exception:  # noqa: BLE001 - optional figures
         return None
 

@@ -108,7 +108,7 @@ def test_interactive_survives_a_corrupted_chunk(mixtral, capsys, monkeypatch, tm
     (["--plan", "/nonexistent/plan.json"], 2, "does not exist"),
     (["--json"], 2, "--prompt"),
     (["--max-new-tokens", "0"], 2, "at least 1"),
-    (["--attention", "fastest"], 2, "attention must be one of reproducible, pytorch"),
+    (["--attention", "fastest"], 2, "attention must be one of reproducible, pytorch"),  # before loading
 ])
 def test_bad_input_is_one_line(mixtral, capsys, args, code, words):
     _, path = mixtral

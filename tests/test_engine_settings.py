@@ -58,7 +58,7 @@ def test_reproducible_attention_leaves_out_cudnn_and_restores_the_choice():
     for choice, device in (("pytorch", "cuda"), ("reproducible", "cpu"), ("pytorch", torch.device("cpu"))):
         with attention_kernels(choice, device):
             assert cuda.cudnn_sdp_enabled() == before[0], (choice, device)
-    with pytest.raises(ValueError, match="attention must be"):
+    with pytest.raises(UsageError, match="attention must be"):
         attention_kernels("fastest", "cuda")
 
 

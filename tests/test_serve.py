@@ -446,6 +446,7 @@ def test_bad_command_lines_are_one_line(mixtral, capsys, tmp_path):
             (["serve", path, "--budget", "12Q"], "size"),
             (["serve", path, "--max-batch", "0"], "--max-batch"),
             (["serve", path, "--port", "70000"], "--port"),
+            (["serve", path, "--attention", "fast"], "attention must be one of reproducible, pytorch"),
             (["serve", path, "--port", str(port)], "in use"),
             (["serve", str(not_zmoe)], "x.zmoe"),
             (["serve", path, "--budget", "4K", "--port", "0", "--workers", "1", "--threads", "1"], "budget"),

@@ -148,6 +148,9 @@ def chat(
         raise UsageError("--context must be at least 2 tokens")
     if workers < 0 or threads < 0:
         raise UsageError("--workers and --threads must be at least 1")
+    from zipmoe.runtime.engine.settings import check_attention
+
+    check_attention(attention)  # before anything loads
     budget_bytes = parse_size(budget)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Console(highlight=False, soft_wrap=True)

@@ -64,11 +64,10 @@ def serve(
         raise UsageError(f"unknown --log-level {log_level!r} (use critical, error, warning, info, debug or trace)")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key (or ZIPMOE_API_KEY) is empty")
-    from zipmoe.runtime.engine.settings import ATTENTION
+    from zipmoe.runtime.engine.settings import check_attention
     from zipmoe_cli.env import engine_env
 
-    if attention not in ATTENTION:
-        raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+    check_attention(attention)  # before the port is taken (the load runs later, on the model thread)
     engine_env()  # ZIPMOE_READERS / _PREFETCH / _FORCE: a wrong value stops here, before the port is taken
     budget_bytes = parse_size(budget)
     body_bytes = parse_size(max_body)

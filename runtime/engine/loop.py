@@ -55,8 +55,8 @@ from zipmoe.errors import UsageError
 from zipmoe.runtime.engine.hf_compat import crop
 from zipmoe.runtime.engine.kvsize import kv_shapes, max_context
 from zipmoe.runtime.engine.sampling import ForcedTokens, Sampler, eos_ids, finish_reason, generation_config
-from zipmoe.runtime.engine.step import forward as step_forward, static_mask
-from zipmoe.runtime.engine.settings import ATTENTION
+from zipmoe.runtime.engine.settings import check_attention
+from zipmoe.runtime.engine.step import attention_of, forward as step_forward, static_mask
 
 __all__ = ["DEFAULT_CONTEXT", "ContextFull", "DecodeLoop", "GenerateResult", "common_prefix", "generate_ids"]
 
@@ -109,11 +109,7 @@ class DecodeLoop:
         self.clamped = self.context < self.requested_context
         self.batch = int(batch)
         rt = getattr(model, "zipmoe", None)
-        if attention is None:
-            attention = getattr(getattr(rt, "settings", None), "attention", "reproducible")
-        if attention not in ATTENTION:
-            raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
-        self.attention = attention
+        self.attention = check_attention(attention_of(model) if attention is None else attention)
         self.device = rt.device if rt is not None else next(p for p in model.parameters() if p.device.type != "meta").device
         self.dtype = model.dtype
         self.cache = StaticCache(config=model.config, max_cache_len=self.context)

@@ -15,13 +15,21 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from zipmoe.errors import UsageError
 
-__all__ = ["EngineSettings", "DEFAULT_READERS", "DEFAULT_AGE_TOKENS", "KERNELS", "GRAPHS", "ATTENTION"]
+__all__ = ["EngineSettings", "DEFAULT_READERS", "DEFAULT_AGE_TOKENS", "KERNELS", "GRAPHS", "ATTENTION",
+           "check_attention"]
 
 DEFAULT_READERS = 4  # reader threads (queue depth); benchmarks/read_qd.py measures the disk's curve
 DEFAULT_AGE_TOKENS = 4096  # the cache's counts halve every this many tokens (batch 1; engine/cache.py)
 KERNELS = ("exact", "fast")
 GRAPHS = ("auto", "on", "off")
 ATTENTION = ("reproducible", "pytorch")  # engine/step.py: attention_kernels
+
+
+def check_attention(value: str) -> str:
+    """``value`` when it names an attention choice, else a one-line :class:`UsageError`."""
+    if value not in ATTENTION:
+        raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,7 @@ class EngineSettings:
             raise UsageError(f"unknown kernels {self.kernels!r} (use exact or fast)")
         if self.graphs not in GRAPHS:
             raise UsageError(f"graphs must be one of {', '.join(GRAPHS)}, not {self.graphs!r}")
-        if self.attention not in ATTENTION:
-            raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {self.attention!r}")
+        check_attention(self.attention)
         if int(self.cache_age) < 0:
             raise UsageError("cache_age must be 0 (never) or more tokens")
 

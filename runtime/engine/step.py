@@ -26,18 +26,22 @@ from contextlib import nullcontext
 import torch
 
 from zipmoe.runtime.engine.hf_compat import cache_kw
-from zipmoe.runtime.engine.settings import ATTENTION
+from zipmoe.runtime.engine.settings import check_attention
 
-__all__ = ["forward", "static_mask", "attention_kernels"]
+__all__ = ["forward", "static_mask", "attention_kernels", "attention_of"]
+
+
+def attention_of(model) -> str:
+    """The attention choice of ``model``: its runtime's ``EngineSettings.attention``, or
+    ``reproducible`` for a model that is not a zipmoe model (a reference)."""
+    return getattr(getattr(getattr(model, "zipmoe", None), "settings", None), "attention", "reproducible")
 
 
 def attention_kernels(attention: str, device):
     """The context a step's attention runs in: ``reproducible`` on CUDA restricts
     ``scaled_dot_product_attention`` to its flash, memory-efficient and math kernels (PyTorch's
     order among them); ``pytorch``, or any other device, leaves PyTorch's choice alone."""
-    if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
-    if attention == "pytorch" or torch.device(device).type != "cuda":
+    if check_attention(attention) == "pytorch" or torch.device(device).type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

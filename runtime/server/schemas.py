@@ -250,19 +250,16 @@ def _unicode(text: str) -> bool:
 
 def _surrogate(data) -> str | None:
     """Where a string holding an unpaired surrogate is (``messages[0].content``), or None."""
-    todo = [("", data)]
+    todo = [((), data)]
     while todo:  # not recursive: a deeply nested body is no stack overflow
-        path, node = todo.pop()
+        loc, node = todo.pop()
         inner = []
         for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
             if isinstance(key, str) and not _unicode(key):
-                return path
-            if isinstance(value, (str, dict, list)):
-                where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
-                if isinstance(value, str):
-                    if not _unicode(value):
-                        return where
-                else:
-                    inner.append((where, value))
+                return _path(loc)
+            if isinstance(value, str) and not _unicode(value):
+                return _path(loc + (key,))
+            if isinstance(value, (dict, list)):
+                inner.append((loc + (key,), value))
         todo.extend(reversed(inner))
     return None

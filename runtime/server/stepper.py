@@ -47,7 +47,7 @@ import torch
 from zipmoe.runtime.engine.kvsize import max_context
 from zipmoe.runtime.engine.loop import DecodeLoop, common_prefix
 from zipmoe.runtime.engine.sampling import Sampler, generation_config, sampling_kwargs
-from zipmoe.runtime.engine.step import attention_kernels
+from zipmoe.runtime.engine.step import attention_kernels, attention_of
 
 __all__ = ["Batch", "LoopBatch", "TransformersStepper", "context_length"]
 
@@ -108,7 +108,7 @@ class TransformersStepper:
         self._positions = "position_ids" in params
         self.device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         # the batched forward runs the attention kernels the decode loop runs (engine/step.py)
-        self.attention = getattr(getattr(getattr(model, "zipmoe", None), "settings", None), "attention", "reproducible")
+        self.attention = attention_of(model)
         self.can_join = True
         self.loop = None
         self.reused = 0  # prompt tokens the last prefill took from the loop's cache
