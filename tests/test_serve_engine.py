@@ -73,7 +73,7 @@ def test_padded_joined_and_dropped_rows_compute_what_they_compute_alone(loaded):
     order = [0, 1]
     for step in range(5):
         if step == 2:
-            new, lg = stepper.prefill(prompts[2:])
+            new, lg = stepper.prefill(prompts[2:], running=batch)
             for j, r in enumerate((2, 3)):
                 toks[r] = [alone[r][0][0]]
                 seen[r] = [lg[j]]
@@ -141,7 +141,7 @@ def test_a_lone_request_decodes_on_the_loop_as_chat_does(loaded):
 
 
 def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alone(loaded):
-    from zipmoe.runtime.server.stepper import TransformersStepper
+    from zipmoe.runtime.server.stepper import SlotBatch, TransformersStepper
 
     model, tok = loaded
     stepper = TransformersStepper(model, context=64)
@@ -151,9 +151,9 @@ def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alon
     seen = {0: [logits[0]], 1: []}
     order = [0]
     for step in range(5):
-        if step == 2:  # a second request: the lone row's static cache becomes a dynamic one
+        if step == 2:  # a second request: the lone row moves from the loop into the row batch
             assert stepper.can_join
-            new, lg = stepper.prefill([prompts[1]])
+            new, lg = stepper.prefill([prompts[1]], running=batch)
             seen[1].append(lg[0])
             batch = stepper.join(batch, new)
             order = [0, 1]
@@ -161,7 +161,7 @@ def test_a_lone_row_joined_by_a_newcomer_goes_on_computing_what_it_computes_alon
         logits = stepper.step(batch, feed)
         for i, r in enumerate(order):
             seen[r].append(logits[i])
-    assert batch.mask.shape[0] == 2
+    assert isinstance(batch, SlotBatch) and batch.rows == 2
     for r in (0, 1):
         for k, got in enumerate(seen[r]):
             want = alone[r][1][k]

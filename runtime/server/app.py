@@ -113,7 +113,7 @@ class ServerState:
         if tokenizer is None:
             raise UsageError(f"{c.file} has no tokenizer files: serve needs one")
         try:
-            stepper = TransformersStepper(model, context=c.context)
+            stepper = TransformersStepper(model, context=c.context, max_batch=c.max_batch)
         except ValueError as exc:
             raise UsageError(f"{c.file}: {exc}") from None
         self.stepper = stepper

@@ -7,9 +7,9 @@ emit; all model work happens on the engine's own thread, through a stepper
 1. **admit**: a request that comes alone (nothing running, it fits the stepper's decode loop)
    is prefilled on the stepper's own decode loop, as `zipmoe chat` computes a turn (its KV cache
    kept for a conversation's next request); otherwise
-   the requests waiting in the queue, up to the free slots, are prefilled together
-   (one forward over their left-padded prompts), get their first token, and join the running
-   batch (its KV cache and theirs are padded to one length and concatenated). A request that
+   the requests waiting in the queue, up to the free slots, join the running rows: the
+   stepper prefills each and gives it a slot of its row batch (engine/rows.py; the rows
+   running are not re-padded), and each gets its first token. A request that
    arrives while a batch decodes therefore waits at most one decode step to join it; when
    every slot is taken it waits in the queue (first come, first served) until a row finishes.
    (With a cache the stepper cannot re-pad, ``can_join`` is False and newcomers wait until
@@ -222,7 +222,7 @@ class Engine:
         t0 = time.perf_counter()
         # a request alone decodes on the runtime's own loop (the stepper's), as `zipmoe chat` does
         alone = batch is None and len(take) == 1 and self.stepper.fits_loop(len(take[0].prompt_ids) + take[0].params.max_tokens)
-        new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone)
+        new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone, running=batch)
         if alone:
             take[0].cached_tokens = int(self.stepper.reused)
         path = getattr(self.stepper, "path", "batch")

@@ -30,11 +30,20 @@ conversation's next turn, with the previous answer in it) keeps the longest comm
 the cache and the prompt and prefills only the rest, as chat's next turn does (``reused`` says
 how many prompt tokens came from the cache). Any other prompt is prefilled from an empty
 cache, so that it computes what a fresh ``zipmoe chat`` computes (a shared system prompt alone
-is not reused: that would change the prefill's matrix shapes, and so its bits). When a second
-request comes while a lone one decodes, the lone row's cache is copied into a ``DynamicCache``
-(its positions so far) and the two decode together on transformers' forward: batches of
-several rows compute with an attention mask and other matrix shapes, so their logits may differ
-from a lone run's in the last bits (docs/serve.md).
+is not reused: that would change the prefill's matrix shapes, and so its bits).
+
+**Several requests** decode together on zipmoe's own row batch
+(:class:`zipmoe.runtime.engine.rows.RowBatch`: one static cache with a slot per row up to
+``max_batch``, continuous batching): each newcomer's prompt is prefilled alone on the decode
+loop (chat's prefill: its first token is the one chat picks) and its keys and values are copied
+into the next slot; a lone row that was decoding on the loop moves into the first slot the
+same way; finished rows leave between steps without the others being re-padded; CUDA graphs
+are captured per row count. A batched row's logits are ``torch.equal`` to transformers
+computing the same rows over the same cache layout (engine/rows.py), not to the row decoded
+alone: other matrix shapes may round differently in the last bits (docs/serve.md). Models whose
+cache the row batch cannot lay out (sliding-window layers), and a stepper without a loop
+(``context=None``), batch on transformers' forward with a ``DynamicCache`` instead: the prompts
+left-padded into one prefill, rows joined by re-padding.
 """
 
 from __future__ import annotations
@@ -45,11 +54,12 @@ from dataclasses import dataclass
 import torch
 
 from zipmoe.runtime.engine.kvsize import max_context
+from zipmoe.runtime.engine import rows as row_batch
 from zipmoe.runtime.engine.loop import DecodeLoop, common_prefix
 from zipmoe.runtime.engine.sampling import Sampler, generation_config, sampling_kwargs
 from zipmoe.runtime.engine.step import attention_kernels, attention_of
 
-__all__ = ["Batch", "LoopBatch", "TransformersStepper", "context_length"]
+__all__ = ["Batch", "LoopBatch", "SlotBatch", "TransformersStepper", "context_length"]
 
 
 @dataclass
@@ -91,14 +101,27 @@ class LoopBatch:
     padded: bool = False
 
 
+@dataclass
+class SlotBatch:
+    """Rows decoding together on the stepper's :class:`~zipmoe.runtime.engine.rows.RowBatch`."""
+
+    slots: object
+    padded: bool = True
+
+    @property
+    def rows(self) -> int:
+        return self.slots.rows
+
+
 class TransformersStepper:
     """The stepper over a transformers causal LM (a model from :func:`zipmoe.runtime.engine.loader.load`).
 
     ``context``: the lone-request decode loop's KV cache in tokens (clamped to the model's
     limit; its bytes, ``loop.kv_bytes``, come on top of the budget); None: no loop, every request on
-    transformers' forward with a ``DynamicCache``."""
+    transformers' forward with a ``DynamicCache``. ``max_batch``: the row batch's slots (its cache
+    grows with the rows and their lengths, ``slots.kv_bytes``)."""
 
-    def __init__(self, model, context: int | None = None) -> None:
+    def __init__(self, model, context: int | None = None, max_batch: int = 8) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("encoder-decoder models are not served over HTTP (decoder-only models only)")
         self.model = model
@@ -119,6 +142,10 @@ class TransformersStepper:
             self.loop = DecodeLoop(model, context=int(context), batch=1)
         # a lone row can join a batch when its static cache copies into a dynamic one
         self._loop_joins = self.loop is not None and all(type(layer).__name__ == "StaticLayer" for layer in self.loop.cache.layers)
+        self.slots = None  # several requests: zipmoe's row batch, where the model's cache allows it
+        if self.loop is not None and self._loop_joins and row_batch.supported(model):
+            self.slots = row_batch.RowBatch(model, context=self.loop.context, max_rows=max(1, int(max_batch)),
+                                            attention=self.attention)
 
     def fits_loop(self, tokens: int) -> bool:
         """Whether a lone request of ``tokens`` (prompt + the most it may generate) fits the loop's cache."""
@@ -141,12 +168,15 @@ class TransformersStepper:
 
     # ------------------------------------------------------------------ the four calls
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], alone: bool = False):
+    def prefill(self, prompts: list[list[int]], alone: bool = False, running=None):
+        """``running``: the batch decoding now, which these prompts will join (None: nothing)."""
         self.reused = 0
-        if alone and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
+        if alone and running is None and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
             self.path = "loop"
             return self._prefill_loop(prompts[0])
         self.path = "batch"
+        if self.slots is not None and (running is None or isinstance(running, (LoopBatch, SlotBatch))):
+            return self._prefill_slots(prompts, running)
         from transformers import DynamicCache
 
         width = max(len(p) for p in prompts)
@@ -167,6 +197,8 @@ class TransformersStepper:
     def step(self, batch, tokens: list[int]) -> torch.Tensor:
         if isinstance(batch, LoopBatch):
             return batch.loop.step(tokens)
+        if isinstance(batch, SlotBatch):
+            return batch.slots.step(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=-1)
         positions = batch.positions.view(-1, 1)
@@ -180,6 +212,9 @@ class TransformersStepper:
             return batch
         if isinstance(batch, LoopBatch):  # one row: it stays or the batch ends
             return batch if keep == [0] else None
+        if isinstance(batch, SlotBatch):
+            batch.slots.keep(keep)
+            return batch if keep else None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = batch.mask.index_select(0, idx)
         # columns of padding that no remaining row needs: cut them from the mask and the cache
@@ -193,7 +228,9 @@ class TransformersStepper:
         return Batch(batch.cache, mask[:, cut:].contiguous(), batch.positions.index_select(0, idx))
 
     @torch.inference_mode()
-    def join(self, running, new) -> Batch:
+    def join(self, running, new):
+        if isinstance(new, SlotBatch):  # its prefill took the running rows into the row batch already
+            return new
         running, new = self._dynamic(running), self._dynamic(new)
         la, lb = running.mask.shape[1], new.mask.shape[1]
         width = max(la, lb)
@@ -216,6 +253,26 @@ class TransformersStepper:
         self.reused = loop.reused if extends else 0
         self.can_join = self._loop_joins
         return LoopBatch(loop), logits
+
+    def _prefill_slots(self, prompts, running):
+        """Each prompt prefilled alone on the decode loop (chat's prefill), then copied into the
+        row batch after the rows running now (a lone row on the loop moves there first)."""
+        slots, loop = self.slots, self.loop
+        if running is None:
+            slots.clear()
+        elif isinstance(running, LoopBatch):
+            slots.clear()
+            slots.add(loop.cache, loop.length, int(loop.next_positions[0]))
+        logits = []
+        try:
+            for p in prompts:
+                logits.append(loop.prefill(torch.tensor([p], dtype=torch.long)))
+                slots.add(loop.cache, len(p), len(p))
+        finally:
+            loop.reset()  # the loop's cache no longer holds a conversation to continue
+            self._prompt_len = 0
+        self.can_join = True
+        return SlotBatch(slots), torch.cat(logits)
 
     def _dynamic(self, batch):
         """``batch`` as a :class:`Batch` over a ``DynamicCache`` (a lone row's static cache copied:
