@@ -283,3 +283,46 @@ def test_a_lone_sampled_request_is_chats_seeded_turn(loaded):
                          loop=DecodeLoop(model, context=128))
         assert want.stats["stop"] in ("eos", "max_new_tokens")
         assert req.error is None and req.cached_tokens == 0 and req.token_ids == want.token_ids, seed
+
+
+def test_text_comes_a_few_tokens_at_a_time_and_whole_at_the_end(tmp_path_factory):
+    """Incremental detokenization: the deltas join to the answer decoded in one go (byte-level
+    tokens that split a character never show half of it), every decode before the end reads a
+    few tokens whatever the answer's length, and a stop string that spans tokens cuts the text
+    exactly where it starts, none of it streamed."""
+    from transformers import AutoTokenizer
+
+    from zipmoe.runtime.server.batcher import Engine, Request, SamplingParams
+
+    src, _ = container(tmp_path_factory, "mixtral")
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok.encode("héllo 世界 🐉 naïve  two  spaces, " * 12, add_special_tokens=False)
+    whole = tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" in tok.decode(ids[1:2]) and len(ids) > 300  # a character split across tokens
+
+    class Counting:
+        def __init__(self):
+            self.lengths = []
+
+        def decode(self, x, **kw):
+            self.lengths.append(len(x))
+            return tok.decode(x, **kw)
+
+    for stop in ([], ["🐉 naï"]):
+        engine = Engine(context=10_000)
+        engine.tokenizer = counting = Counting()
+        events = []
+        r = Request([1, 2, 3], SamplingParams(max_tokens=len(ids), stop=stop), lambda k, p: events.append((k, p)))
+        for i, t in enumerate(ids):
+            engine._accept(r, t, 3 + i + 1)
+            if r.done:
+                break
+        deltas = [p for k, p in events if k == "delta"]
+        assert events[-1] == ("done", None) and all("\ufffd" not in d for d in deltas)
+        assert max(counting.lengths[:-1]) <= 8  # each token: a few tokens decoded
+        if not stop:
+            assert r.finish_reason == "length" and counting.lengths[-1] == len(ids)
+            assert "".join(deltas) == r.text == whole
+        else:
+            assert r.finish_reason == "stop" and len(r.token_ids) < 30
+            assert "".join(deltas) == r.text == whole[: whole.find(stop[0])]

@@ -27,9 +27,12 @@ repetition penalty, ...), then greedy (temperature 0) is ``argmax``, otherwise `
 request is reproducible when it runs alone). A lone request therefore answers what ``zipmoe
 chat`` answers with the same settings: greedy, and sampled with the same seed.
 
-Events go to ``Request.sink(kind, payload)``, called on the model thread: ``("delta", text)``
-for new text (held back while it may still turn into a stop string or ends in half a
-character), then exactly one of ``("done", None)`` (``finish_reason`` and counts on the
+Text: each token's text comes from decoding only the few tokens around it (incremental
+detokenization, as vLLM does: a decode per token costs the same at the 10th token and the
+2,000th, under the lock the HTTP side tokenizes with); the whole answer is decoded once, at
+its end, and that is the response's text. Events go to ``Request.sink(kind, payload)``,
+called on the model thread: ``("delta", text)`` for new text (held back while it may still
+turn into a stop string or ends in half a character), then exactly one of ``("done", None)`` (``finish_reason`` and counts on the
 request) or ``("error", message)``.
 """
 
@@ -82,6 +85,8 @@ class Request:
         self.path = ""  # how it was prefilled: "loop" (alone, on the decode loop, as chat) or "batch"
         self.text = ""
         self.sent = ""  # text already handed out as deltas
+        self.prefix_at = 0  # incremental detokenization: the context tokens start here,
+        self.read_at = 0  # and the tokens whose text is not out yet start here
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.t_submit = time.perf_counter()
@@ -301,17 +306,22 @@ class Engine:
         end = finish_reason(eos=token in self.eos_ids and not r.params.ignore_eos, new_tokens=len(r.token_ids),
                             max_new_tokens=r.params.max_tokens, room=self.context - length)
         reason = {None: None, "eos": "stop"}.get(end, "length")
-        text = self._decode(r.token_ids)
-        for s in r.params.stop:
-            at = text.find(s)
+        stops = r.params.stop
+        if reason is None:
+            piece = self._detokenize(r)
+            if not piece:
+                return  # nothing new to show (half a character) and not finished
+            seen, text = len(r.text), r.text + piece
+        else:
+            seen, text = 0, self._decode(r.token_ids)  # the answer decoded in one go, once, at its end
+        for s in stops:  # a stop string ends in the new text: it starts at most len(s) - 1 before it
+            at = text.find(s, max(0, seen - len(s) + 1))
             if at >= 0:
                 text, reason = text[:at], "stop"
         r.text = text
         if reason is None:
-            hold = max((len(s) for s in r.params.stop), default=1) - 1
+            hold = max((len(s) for s in stops), default=1) - 1
             safe = text[: len(text) - hold] if hold else text
-            while safe.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-                safe = safe[:-1]
         else:
             safe = text
         if len(safe) > len(r.sent) and safe.startswith(r.sent):
@@ -319,6 +329,23 @@ class Engine:
             r.sink("delta", delta)
         if reason is not None:
             self._finish(r, reason)
+
+    def _detokenize(self, r: Request) -> str:
+        """The text ``r``'s newest token adds, decoding only a few tokens (incremental
+        detokenization, as vLLM's and text-generation-inference's): the tokens since the last
+        text that came out, with the ones before it as context (a word's leading space, a
+        character split across tokens), against the same without the newest; "" while the
+        newest ends in half a character. The whole answer is decoded once, at its end."""
+        ids = r.token_ids
+        if self.tokenizer is None:
+            return (" " if len(ids) > 1 else "") + str(ids[-1])
+        with self.lock:
+            before = self.tokenizer.decode(ids[r.prefix_at:r.read_at], skip_special_tokens=True)
+            after = self.tokenizer.decode(ids[r.prefix_at:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            r.prefix_at, r.read_at = r.read_at, len(ids)
+            return after[len(before):]
+        return ""
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
