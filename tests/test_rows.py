@@ -21,6 +21,7 @@ import torch
 from test_runtime_fixtures import container, reference
 
 CONTEXT = 40
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _prompts():
@@ -28,7 +29,7 @@ def _prompts():
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 14, 3, 9)]
 
 
-def _script(model, feed=None, chunk=8):
+def _script(model, feed=None, chunk=8, graphs="off"):
     """Run the script on ``model``; returns (logits per step, tokens fed per row, the batch).
 
     ``feed``: the tokens to feed (per row, in order), from an earlier run; None: each row's argmax.
@@ -42,7 +43,7 @@ def _script(model, feed=None, chunk=8):
     mod.CHUNK = chunk
     try:
         loop = DecodeLoop(model, context=CONTEXT, graphs="off")
-        batch = mod.RowBatch(model, context=CONTEXT, max_rows=4, graphs="off")
+        batch = mod.RowBatch(model, context=CONTEXT, max_rows=4, graphs=graphs)
         prompts = _prompts()
         order, fed, last, out = [], {}, {}, []
 
@@ -98,6 +99,35 @@ def test_batched_rows_are_transformers_over_the_same_layout(tmp_path_factory, fa
     n, c = batch.rows, batch.cursor
     for x, y in zip(batch.keys + batch.values, ref_batch.keys + ref_batch.values):
         assert torch.equal(x[:n, :, :c], y[:n, :, :c])
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("fraction", [1.0, 0.25], ids=["resident", "quarter"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_graphed_rows_on_cuda_are_transformers_over_the_same_layout(tmp_path_factory, family, fraction):
+    """On CUDA the row batch replays one GraphedStep per row count (2 and 3 in the script, dropped
+    and captured again each time the cache grows); every step's logits are ``torch.equal`` to
+    transformers' own model (eager experts, no graphs) running the same script on CUDA. At a
+    quarter of the experts the misses take the host path inside the graphed steps."""
+    import zipmoe
+    from zipmoe.runtime.engine.loader import requirements
+
+    src, path = container(tmp_path_factory, family)
+    req = requirements(path, workers=1, device="cuda")
+    model, _ = zipmoe.load(path, budget=req["budget_for"](fraction), device="cuda", workers=1, warm=fraction == 1.0)
+    try:
+        got, fed, batch = _script(model, graphs="auto")
+        assert batch._graphed, "no row count was served from graphs"
+        assert model.zipmoe.counters.peak_held_bytes <= model.zipmoe.budget
+    finally:
+        model.zipmoe.close()
+    want, _, ref_batch = _script(reference(src, "cuda"), feed=fed)
+    assert ref_batch.capacity == batch.capacity
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.keys() == b.keys()
+        for r in a:
+            assert torch.equal(a[r], b[r]), (family, fraction, k, r)
 
 
 def test_each_row_computes_what_it_computes_alone(tmp_path_factory):

@@ -50,7 +50,7 @@ from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
 __all__ = ["GraphedStep", "supported", "BATCHES", "why_not"]
 
-BATCHES = (1, 2, 3, 4, 8)
+BATCHES = (1, 2, 3, 4, 8, 16)
 
 
 def _experts_modules(model) -> list:
