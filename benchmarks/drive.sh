@@ -60,6 +60,7 @@ DRY=${DRY:-}
 SUITE_TABLE="gpu-tests|pytest -m gpu over tests/ (Triton merge, graphed decode, the loop, staging, prefetch, runtime bit-identity on CUDA)
 fidelity|the attention kernels probed, benchmarks/fidelity_gpu.py --out RUN/fidelity [ARGS after --], gpu-tests; FID_REPRO=1: the check with --attention pytorch; the decode step per attention choice at FID_CONTEXT (4096)
 kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s against a copy), the codec benchmark on every core (§1-3)
+serve|zipmoe serve under load: gpu-tests, the resident decode step at batch 1,4,16 (24 layers), serve_load.py at 16G and 8G, 1/4/16 clients, 64 sampled tokens, this code and .before/'s in turn, chat beside (§25, ~20 min)
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
@@ -115,6 +116,42 @@ suite_decode_gpu() {  # the decode step at the GPU's speed: the decode model is 
     stage decode-miss 300 zipmoe bench "$D/$name.zmoe" --engine zipmoe --engine zipmoe-basic --budget "${BUDGET:-8G}" --batch 1 \
         --new-tokens 16 --runs 1 --time-limit "${TIME_LIMIT:-60}" --cold --cold-method fadvise --device cuda --source "$D/$name-src" \
         --json "$WORK/decode-miss.json" --work-dir "$D/bench"
+}
+
+suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (the row batch's graphs among them), the
+    # resident decode step at batch 1, 4 and 16 (LAYERS=24, every expert resident), then the same model packed with zstd,
+    # as a user packs it, served at SERVE_BUDGETS (16G 8G): benchmarks/serve_load.py at 1, 4 and 16 clients, SERVE_TOKENS
+    # (64) new tokens sampled at SERVE_TEMPERATURE (1.0: greedy decoding of random weights is a loop), this code and the
+    # code in .before/ in turn, `zipmoe chat` on the same prompts beside this code's first run (about 20 min)
+    local L=${LAYERS:-24} D=$WORK/dec name=qwen1.5-moe-a2.7b b v first=1
+    [ "$L" != 0 ] && name=$name-${L}L
+    stage probe 120 probe
+    stage before-install 120 before_install
+    bg_stage decode-build 230 python3 "$REPO/benchmarks/decode_gpu.py" --build-only --work "$D" --layers "$L"
+    stage gpu-tests 420 gpu_tests
+    wait_bg
+    stage decode 300 python3 "$REPO/benchmarks/decode_gpu.py" --work "$D" --layers "$L" --batch 1,4,16 --tokens 12 --skip 3 \
+        --compare 8 --profile-tokens 0 --engines "${ENGINES:-zipmoe-graphed,hf-grouped_mm}" --json "$WORK/decode_gpu.json"
+    # the raw container goes first (disk: the source and one container at a time)
+    stage serve-pack 300 sh -c 'rm -f "$1/$2.zmoe" && zipmoe pack "$1/$2-src" -o "$1/$2-zstd.zmoe" --force' sh "$D" "$name"
+    for b in ${SERVE_BUDGETS:-16G 8G}; do
+        for v in after before; do
+            stage "serve-$b-$v" 420 serve_load "$v" "$D/$name-zstd.zmoe" "$b" $([ $first = 1 ] && [ $v = after ] && echo --chat)
+        done
+        first=0
+    done
+}
+
+serve_load() {  # serve_load after|before FILE BUDGET [MORE]: benchmarks/serve_load.py on this code or on $SITE-before's
+    local v=$1 f=$2 b=$3 pp=${PYTHONPATH:-}; shift 3
+    if [ "$v" = before ]; then
+        [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+        pp="$SITE-before${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    x cd /tmp
+    x env PYTHONPATH="$pp" python3 "$REPO/benchmarks/serve_load.py" "$f" --budget "$b" --max-batch 16 --concurrency 1,4,16 \
+        --requests 4 --new-tokens "${SERVE_TOKENS:-64}" --temperature "${SERVE_TEMPERATURE:-1.0}" --serve-args "--device cuda" \
+        --json "$WORK/serve-$b-$v.json" "$@"
 }
 
 bench_env() {  # the GPU box's bench settings: fadvise (never drop_caches there), each engine's cgroup a leaf
@@ -345,7 +382,7 @@ probe() {
     x timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || echo "no GPU (nvidia-smi missing or timed out)"
     x sh -c 'echo "cores $(nproc)"; lscpu | grep -E "^Model name"; free -g | head -2; df -h "$1" | tail -1' sh "$RUN"
     x timeout 120 python3 -c 'import importlib
-for m in ("torch", "transformers", "triton", "zstandard", "lz4", "numba", "accelerate", "starlette", "openai", "zipmoe"):
+for m in ("torch", "transformers", "triton", "zstandard", "lz4", "numba", "accelerate", "starlette", "uvicorn", "httpx", "openai", "zipmoe"):
     try: print(m, getattr(importlib.import_module(m), "__version__", "?"))
     except Exception as e: print(m, "MISSING", type(e).__name__, e)
 import torch; print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'

@@ -3,7 +3,8 @@
 Starts ``zipmoe serve FILE --budget B --port 0 --max-batch M`` (or uses ``--url`` of a running
 server), then for each concurrency level (default 1, 4 and 16 clients) sends
 ``max(--requests, clients)`` streamed chat requests of exactly ``--new-tokens`` new tokens
-(``ignore_eos``, greedy), ``clients`` at a time, and prints per level:
+(``ignore_eos``; greedy, or with ``--temperature T`` sampled, request i seeded with i), ``clients``
+at a time, and prints per level:
 
 * throughput: completion tokens of the level / its wall time (tokens/s);
 * TTFT: request sent -> arrival of the first chunk that carries content (non-empty
@@ -12,6 +13,9 @@ server), then for each concurrency level (default 1, 4 and 16 clients) sends
 * TPOT: (arrival of the last content chunk - arrival of the first) / (completion tokens - 1),
   per request, p50 and p90 (the server streams one chunk per token; text it holds back, e.g.
   half a UTF-8 character, merges two tokens into one chunk, and the line says so);
+* distinct chunks: the median share of a request's content chunks that differ (greedy decoding of
+  a random-weight model falls into a loop of two or three tokens, near 0%: its cache hits every
+  time, so such a level measures a loop; sample to measure a conversation);
 * errors (exceptions, HTTP errors, error events, no ``[DONE]``, answers of another length): must be 0;
 * the server's peak RSS (process and children, sampled every 50 ms) and its ``peak held``
   weight bytes (from /metrics) against the budget.
@@ -51,6 +55,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+# the zipmoe of this interpreter and its PYTHONPATH (a console script may be missing, e.g. with pip --target)
+ZIPMOE = [sys.executable, "-m", "zipmoe_cli"]
 
 PROMPTS = [
     "Tell me about the sea.", "What is the capital of France?", "Write a short poem about autumn.",
@@ -104,9 +111,10 @@ class RssSampler(threading.Thread):
 
 
 def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api_key: str | None = None,
-                   cancel_after: int | None = None) -> dict:
-    """One streamed chat request of exactly ``new_tokens`` new tokens (``ignore_eos``, greedy),
-    timed from the SSE stream as it arrives (read incrementally, event by event).
+                   cancel_after: int | None = None, temperature: float = 0.0, seed: int | None = None) -> dict:
+    """One streamed chat request of exactly ``new_tokens`` new tokens (``ignore_eos``; greedy, or
+    sampled at ``temperature`` with ``seed``), timed from the SSE stream as it arrives (read
+    incrementally, event by event).
 
     TTFT: request sent -> the first chunk that carries content (non-empty ``delta.content``, or
     ``text`` for a completions stream; the chat stream's opening role chunk, empty, does not
@@ -118,11 +126,16 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
 
     ``cancel_after``: the client leaves once that many content chunks have come (0: after the
     first event, the role chunk): the stream is closed unread, ``cancelled`` is True (and ``ok``
-    False); a stream that ends first is judged as any other."""
+    False); a stream that ends first is judged as any other. ``distinct``: how many different
+    content chunks came (a greedy random-weight model falls into a loop of two or three tokens:
+    a level whose answers are loops measures a cache that hits every time)."""
     headers = _auth(api_key)
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if seed is not None:
+        body["seed"] = int(seed)
     times: list[float] = []  # arrival time of each content chunk
+    texts: set[str] = set()
     usage = None
     done = False
     cancelled = False
@@ -147,6 +160,7 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
                 text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
                 if text:
                     times.append(now)
+                    texts.add(text)
                     break
             if cancel_after is not None and len(times) >= cancel_after:
                 cancelled = True  # the client goes away: leaving the block closes the stream
@@ -158,7 +172,7 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
     tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else chunks
     return {"ttft": (times[0] - t0) if times else None,
             "tpot": ((times[-1] - times[0]) / (max(tokens, chunks) - 1)) if chunks > 1 else None,
-            "chunks": chunks, "tokens": tokens, "done": done,
+            "chunks": chunks, "distinct": len(texts), "tokens": tokens, "done": done,
             "ok": done and tokens == new_tokens, "seconds": end - t0, "cancelled": cancelled}
 
 
@@ -193,9 +207,10 @@ def in_threads(n: int, fn) -> None:
 
 
 def run_level(http, url: str, model: str, clients: int, requests: int, new_tokens: int,
-              api_key: str | None = None) -> dict:
+              api_key: str | None = None, temperature: float = 0.0) -> dict:
     """``requests`` streamed requests, ``clients`` at a time (each client thread sends its next
-    request when its last has ended); the level's figures."""
+    request when its last has ended); the level's figures. Sampled (``temperature`` > 0), request
+    ``i`` carries ``seed`` ``i``, so every level sends the same requests."""
     lock = threading.Lock()
     todo = list(range(requests))
     results, errors = [], []
@@ -207,7 +222,8 @@ def run_level(http, url: str, model: str, clients: int, requests: int, new_token
                     return
                 i = todo.pop(0)
             try:
-                r = stream_request(http, url, model, PROMPTS[i % len(PROMPTS)], new_tokens, api_key)
+                r = stream_request(http, url, model, PROMPTS[i % len(PROMPTS)], new_tokens, api_key,
+                                   temperature=temperature, seed=i if temperature > 0 else None)
             except Exception as exc:  # noqa: BLE001 - counted, shown
                 r = {"error": f"{type(exc).__name__}: {exc}"}
             else:
@@ -230,6 +246,8 @@ def run_level(http, url: str, model: str, clients: int, requests: int, new_token
             # content chunks against tokens (1.0: one chunk per token; less: text held back or merged)
             "no_ttft": len(results) - len(ttft), "no_tpot": len(results) - len(tpot),
             "chunks_per_token": (sum(r["chunks"] for r in results) / tokens) if tokens else None,
+            # different content chunks per content chunk, the median over requests (a loop: near 0)
+            "distinct_p50": pct([r["distinct"] / r["chunks"] for r in results if r["chunks"]], 0.5),
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9),
             "tpot_p50_s": pct(tpot, 0.5), "tpot_p90_s": pct(tpot, 0.9)}
 
@@ -243,12 +261,13 @@ def first_model(http, url: str, api_key: str | None = None) -> str:
 
 def measure(url: str, *, model: str | None = None, concurrency=(1, 4, 16), requests: int = 4,
             new_tokens: int = 64, api_key: str | None = None, warmup: bool = True, timeout: float = 3600.0,
-            progress=None) -> list[dict]:
+            progress=None, temperature: float = 0.0) -> list[dict]:
     """Load-test the OpenAI-style server at ``url`` (``http://host:port``, no ``/v1``): for each
     level of ``concurrency``, ``max(requests, clients)`` streamed chat requests of ``new_tokens``
     tokens, ``clients`` at a time; one dict per level (:func:`run_level`). ``model``: the
     server's first model when None. ``warmup``: one short request first, not counted (first-call
-    costs: lazy imports, first reads). ``progress(level)`` is called after each level."""
+    costs: lazy imports, first reads). ``progress(level)`` is called after each level.
+    ``temperature``: 0 greedy, else sampled with seeds (:func:`run_level`)."""
     import httpx
 
     clients_max = max(concurrency, default=1)
@@ -259,7 +278,7 @@ def measure(url: str, *, model: str | None = None, concurrency=(1, 4, 16), reque
             stream_request(http, url, model, "Hello!", 4, api_key)
         levels = []
         for c in concurrency:
-            r = run_level(http, url, model, int(c), max(requests, int(c)), new_tokens, api_key)
+            r = run_level(http, url, model, int(c), max(requests, int(c)), new_tokens, api_key, temperature)
             levels.append(r)
             if progress is not None:
                 progress(r)
@@ -279,6 +298,8 @@ def describe(r: dict) -> str:
         line += f" ({r['no_ttft']} requests streamed no content, {r['no_tpot']} fewer than 2 content chunks)"
     if r["chunks_per_token"] is not None and abs(r["chunks_per_token"] - 1) > 1e-9:
         line += f" ({r['chunks_per_token']:.2f} content chunks per token)"
+    if r.get("distinct_p50") is not None:
+        line += f", distinct chunks {r['distinct_p50']:.0%} (median)"
     if r["error_samples"]:
         line += f" errors: {r['error_samples']}"
     return line
@@ -537,12 +558,12 @@ def describe_soak(res: dict) -> str:
 def chat_runs(args) -> list[dict]:
     """``zipmoe chat FILE --budget B --prompt P --max-new-tokens N --greedy --json``, one cold process per
     prompt of the first level (the prompts the 1-client level sends, in its order): TTFT, TPOT, tokens."""
-    zipmoe = str(Path(sys.executable).with_name("zipmoe"))
     extra = (args.chat_args if args.chat_args is not None else args.serve_args).split()
     out = []
-    for prompt in PROMPTS[: max(1, min(args.requests, len(PROMPTS)))]:
-        cmd = [zipmoe, "chat", args.file, "--budget", args.budget, "--prompt", prompt, "--max-new-tokens",
-               str(args.new_tokens), "--greedy", "--json", *extra]
+    for i, prompt in enumerate(PROMPTS[: max(1, min(args.requests, len(PROMPTS)))]):
+        how = ["--temperature", str(args.temperature), "--seed", str(i)] if args.temperature > 0 else ["--greedy"]
+        cmd = [*ZIPMOE, "chat", args.file, "--budget", args.budget, "--prompt", prompt, "--max-new-tokens",
+               str(args.new_tokens), *how, "--json", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         try:
             doc = json.loads(proc.stdout)
@@ -566,6 +587,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per level: max(this, clients)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 64; 8 with --soak)")
     ap.add_argument("--serve-args", default="", help="more options for zipmoe serve, e.g. '--device cuda --plan p.json'")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); above: sampled, request i with seed i (chat runs too), a workload "
+                         "that does not fall into the loop greedy decoding of a random-weight model does")
     ap.add_argument("--api-key", default=os.environ.get("ZIPMOE_API_KEY"))
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--chat", action="store_true",
@@ -594,8 +618,7 @@ def main() -> int:
     sampler = None
     url = args.url
     if url is None:
-        zipmoe = str(Path(sys.executable).with_name("zipmoe"))
-        cmd = [zipmoe, "serve", args.file, "--budget", args.budget, "--port", "0", "--max-batch", str(args.max_batch),
+        cmd = [*ZIPMOE, "serve", args.file, "--budget", args.budget, "--port", "0", "--max-batch", str(args.max_batch),
                *args.serve_args.split()]
         log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_load.{os.getpid()}.log", "w+")
         env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -634,21 +657,23 @@ def main() -> int:
     try:
         levels = measure(url, model=args.model, concurrency=[int(x) for x in args.concurrency.split(",")],
                          requests=args.requests, new_tokens=args.new_tokens, api_key=args.api_key,
-                         progress=lambda r: print(describe(r), file=sys.stderr))
+                         progress=lambda r: print(describe(r), file=sys.stderr), temperature=args.temperature)
         m = scrape(url, args.api_key)
     finally:
         stop_server(proc, sampler)
     budget = m.get("zipmoe_budget_bytes", 0)
     out = {"levels": levels, "budget_bytes": budget, "peak_held_bytes": m.get("zipmoe_peak_held_bytes"),
            "peak_rss_bytes": sampler.peak if sampler else None, "max_batch": args.max_batch,
-           "new_tokens": args.new_tokens, "exit_code": proc.returncode if proc else None, "chat": chat}
+           "new_tokens": args.new_tokens, "temperature": args.temperature,
+           "exit_code": proc.returncode if proc else None, "chat": chat}
     print()
-    print("| clients | requests | errors | tokens/s | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) |")
-    print("|---:|---:|---:|---:|---|---|")
+    print("| clients | requests | errors | tokens/s | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | distinct chunks |")
+    print("|---:|---:|---:|---:|---|---|---:|")
     for r in levels:
         print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.2f} | "
               f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p90_s'])} | "
-              f"{_s(r['tpot_p50_s'], 1e3, '.1f')} / {_s(r['tpot_p90_s'], 1e3, '.1f')} |")
+              f"{_s(r['tpot_p50_s'], 1e3, '.1f')} / {_s(r['tpot_p90_s'], 1e3, '.1f')} | "
+              f"{_s(r.get('distinct_p50'), 100, '.0f')}% |")
     if chat:
         tp = sorted(c["tpot_s"] for c in chat if c.get("tpot_s"))
         one = next((r for r in levels if r["clients"] == 1), None)
