@@ -131,7 +131,7 @@ suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (t
     stage gpu-tests 420 gpu_tests
     wait_bg
     stage decode 300 python3 "$REPO/benchmarks/decode_gpu.py" --work "$D" --layers "$L" --batch 1,4,16 --tokens 12 --skip 3 \
-        --compare 8 --profile-tokens 0 --engines "${ENGINES:-zipmoe-graphed,hf-grouped_mm}" --json "$WORK/decode_gpu.json"
+        --compare 8 --profile-tokens "${PROFILE_TOKENS:-2}" --engines "${ENGINES:-zipmoe-graphed,hf-grouped_mm}" --json "$WORK/decode_gpu.json"
     # the raw container goes first (disk: the source and one container at a time)
     stage serve-pack 300 sh -c 'rm -f "$1/$2.zmoe" && zipmoe pack "$1/$2-src" -o "$1/$2-zstd.zmoe" --force' sh "$D" "$name"
     for b in ${SERVE_BUDGETS:-16G 8G}; do
