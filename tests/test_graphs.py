@@ -121,7 +121,8 @@ def test_graphs_refuse_what_they_cannot_serve(tmp_path_factory):
     src, path = container(tmp_path_factory, "qwen2_moe")
     req = requirements(path, workers=1, device="cuda")
     model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1)
-    assert supported(model, 4) and not supported(model, 16)
+    assert supported(model, 4) and supported(model, 16) and not supported(model, 5)
+    assert "batch 5 is not one of" in why_not(model, 5)
     model.zipmoe.close()
 
 
