@@ -25,7 +25,8 @@ Every engine prefills the same prompt, then decodes greedily; TPOT is the wall t
 eager warm-up and its capture), divided by their number, with no host sync between steps
 other than the engine's own. A second, shorter pass under torch.profiler counts per token the
 host's launch calls (cudaLaunchKernel & co., cudaGraphLaunch, memcpy/memset) and the GPU's
-kernels, and the GPU-busy time (the union of the kernels' intervals). The zipmoe engines' logits
+kernels, the GPU-busy time (the union of the kernels' intervals) and the kernels with most GPU
+time (``top_kernels``, printed after the table). The zipmoe engines' logits
 are compared with hf-eager's (zipmoe-fast's with hf-grouped_mm's), step by step (``torch.equal``):
 the bit-identity contract.
 """
@@ -133,9 +134,12 @@ def profile_steps(loop: Loop, steps: int) -> dict:
     launches = 0
     graph_launches = 0
     kernels = []
+    by_name: dict = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             kernels.append((e.time_range.start, e.time_range.end))
+            n, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (n + 1, us + e.time_range.end - e.time_range.start)
         elif e.name in LAUNCH_CALLS:
             launches += 1
             graph_launches += e.name == "cudaGraphLaunch"
@@ -152,7 +156,10 @@ def profile_steps(loop: Loop, steps: int) -> dict:
     if cur_e is not None:
         busy += cur_e - cur_s
     return {"launch_calls_per_token": launches / steps, "graph_launches_per_token": graph_launches / steps,
-            "gpu_kernels_per_token": len(kernels) / steps, "gpu_busy_ms_per_token": busy / 1000.0 / steps}
+            "gpu_kernels_per_token": len(kernels) / steps, "gpu_busy_ms_per_token": busy / 1000.0 / steps,
+            # where the GPU time goes: the kernels that take most of it, per token
+            "top_kernels": [{"kernel": name[:90], "per_token": n / steps, "us_per_token": us / steps}
+                            for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]]}
 
 
 def set_experts_implementation(model, impl: str) -> None:
@@ -306,6 +313,11 @@ def main(argv=None) -> int:
         g, gm = by.get(("zipmoe-graphed", b), {}), by.get(("hf-grouped_mm", b), {})
         if "tpot_ms" in g and "tpot_ms" in gm:
             print(f"batch {b}: zipmoe graphed / transformers grouped_mm = {g['tpot_ms'] / gm['tpot_ms']:.2f}")
+    for r in results["runs"]:  # where each engine's GPU time goes
+        if r.get("top_kernels"):
+            print(f"\n{r['engine']}, batch {r['batch']}: the kernels with most GPU time, per token")
+            for k in r["top_kernels"]:
+                print(f"  {k['us_per_token']:9.1f} us  {k['per_token']:7.1f} x  {k['kernel']}")
     save()
     return 0
 

@@ -233,8 +233,9 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
     """What the sparse graphs capture, run eagerly on the CPU: equal to the runtime's experts function.
 
     Batch 1: the device-side sort, the gather through the slot map, the eager loop's ops.
-    Batch 4: the per-(rank, token count) bodies fed from the host's index buffer, replayed in
-    ascending expert order. (On CUDA the same bodies are captured and replayed: tests above.)
+    Batch 3, 4 and 16: the per-layer gathers, the per-(group, count) weight gathers and the
+    per-(rank, token count) bodies fed from the host's index buffer, replayed in ascending
+    expert order (16 rows route to more experts than one weight group holds). (On CUDA the same bodies are captured and replayed: tests above.)
     """
     from zipmoe.runtime.engine import graphs
     from zipmoe.runtime.engine.experts_hook import routed_indices, zipmoe_experts_forward
@@ -250,7 +251,7 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
     step = object.__new__(graphs.GraphedStep)  # no CUDA here: only what the bodies read
     step.slots, step.rt, step.pool, step._w = rt.slots, rt, None, {}
     try:
-        for batch in (1, 4, 4):
+        for batch in (1, 4, 4, 16, 3):
             hidden = torch.randn((batch, hidden_size), generator=g).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(rt.num_experts, generator=g)[:rt.top_k] for _ in range(batch)])
             weights = torch.rand((batch, rt.top_k), generator=g).to(torch.bfloat16)

@@ -40,11 +40,13 @@ activation trace being recorded.
 
 from __future__ import annotations
 
+import math
 import time
 
+import numpy as np
 import torch
 
-from zipmoe.runtime.engine.expert_math import accumulate, expert_output
+from zipmoe.runtime.engine.expert_math import accumulate, expert_output, expert_rows
 from zipmoe.runtime.engine.experts_hook import experts_host_path, routed_indices
 from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
@@ -94,47 +96,72 @@ class _Sparse:
         self.grouped = None
 
 
+def _aligned_rows(rows: int, row_bytes: int, align: int = 256) -> int:
+    """``rows`` rounded up so that ``rows * row_bytes`` is a multiple of ``align`` bytes."""
+    q = align // math.gcd(align, row_bytes)
+    return -(-rows // q) * q
+
+
 class _Grouped:
     """Batch > 1: one small graph per (rank ``j`` among the layer's hit experts, token count ``m``).
 
-    Graph ``(j, m)`` computes the ``j``-th hit expert (ascending ids) over ``m`` tokens with the
-    eager loop's ops: ``hidden[token_idx]``, ``F.linear`` with its [2I, H] weight (gathered from
-    its slot into a static buffer), ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with the
-    [H, I] weight, times ``top_k_weights[token_idx, top_k_pos, None]``, ``index_add_`` into the
-    output. The host, which learns the routing anyway, writes every hit expert's
-    ``(top_k_pos, token_idx)`` (in ``torch.where``'s order, :func:`.experts_hook.routed_indices`)
-    and its slots into one index buffer (one host->device copy), then replays the graphs of
-    the layer's hit experts in ascending order: the same ``F.linear`` shapes, the same
-    accumulation order as the eager loop. Shared by every layer whose tensors have the same
-    shapes (the layer's hidden states and routing weights are copied into its static inputs).
+    Graph ``(j, m)`` computes the ``j``-th hit expert (ascending ids) over its ``m`` tokens with
+    the eager loop's ops (:func:`.expert_math.expert_rows`: ``F.linear`` with its [2I, H]
+    weight, ``chunk``, ``act_fn(gate) * up``, ``F.linear`` with the [H, I] weight, times the
+    routing weights) and ``index_add_`` into the output (:func:`.expert_math.accumulate`).
+    What the eager loop gathers per expert is gathered once per layer, as exact copies: the
+    expert's rows of the hidden states (``hidden[token_idx]``) into rank ``j``'s block of one
+    static buffer (256-byte aligned, contiguous ``[m, H]``: the shape and layout cuBLAS sees in
+    the eager loop), its routing weights (``top_k_weights[token_idx, top_k_pos]``) likewise;
+    the weights of :attr:`G` experts at a time from their slots into static buffers by one
+    gather graph ``(group, count)``. The host, which learns the routing anyway, writes every hit
+    expert's tokens, routing-weight positions and slots into one index buffer (vectorised numpy,
+    one host->device copy), then replays the gathers and the experts' graphs in ascending expert
+    order: the same ``F.linear`` shapes, the same accumulation order as the eager loop, six
+    kernels per expert. Shared by every layer whose tensors have the same shapes.
     """
+
+    GROUP = 4  # experts whose weights one gather copies (the static weight buffers hold this many)
 
     def __init__(self, step, sp: _Sparse) -> None:
         slots = step.slots
-        tokens = sp.hidden.shape[0]
+        tokens, hidden_size = sp.hidden.shape
         k = sp.ids.shape[1]
-        self.b = tokens
-        self.J = min(tokens * k, step.rt.num_experts)
+        self.b, self.k = tokens, k
+        self.J = J = min(tokens * k, step.rt.num_experts)
         dev = sp.hidden.device
-        self.hid = torch.empty_like(sp.hidden)
-        self.wts = torch.empty_like(sp.weights)
-        self.out = torch.empty_like(sp.hidden)
-        width = 2 * tokens + 2
-        self.idx = torch.zeros((self.J, width), dtype=torch.int64, device=dev)
-        self.idx_host = torch.zeros((self.J, width), dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.arenas = {u: slots.arena_of(sp.layer, u) for u in ("gate_up", "down")}
-        self.w = {u: torch.empty((1, *a.shape), dtype=a.data.dtype, device=dev) for u, a in self.arenas.items()}
+        # one gather for several experts needs every weight buffer 256-byte aligned in it
+        aligned = all(math.prod(a.shape) * a.data.element_size() % 256 == 0 for a in self.arenas.values())
+        self.G = min(self.GROUP, J) if aligned else 1
+        self.w = {u: torch.empty((self.G, *a.shape), dtype=a.data.dtype, device=dev) for u, a in self.arenas.items()}
+        self.rows = _aligned_rows(tokens, hidden_size * sp.hidden.element_size())  # rows per rank's block
+        n = J * self.rows
+        # the index buffer: gate_up slots [J], down slots [J], tokens [J * rows], flat routing-weight positions
+        self.idx = torch.zeros(2 * J + 2 * n, dtype=torch.int64, device=dev)
+        self.idx_host = torch.zeros(2 * J + 2 * n, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.slot = {"gate_up": self.idx[0:J], "down": self.idx[J:2 * J]}
+        self.tok, self.lin = self.idx[2 * J:2 * J + n], self.idx[2 * J + n:]
+        self.cs = torch.empty((n, hidden_size), dtype=sp.hidden.dtype, device=dev)
+        self.cw = torch.empty((n,), dtype=sp.weights.dtype, device=dev)
+        self.out = torch.empty_like(sp.hidden)
         self.act_fn = sp.module.act_fn
         # their own memory pool: these graphs are replayed in any order and once per layer, after
         # pieces captured later; in the pieces' pool their temporaries would alias the live
         # tensors of those pieces (measured on the H200: wrong logits from the capture step on)
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.groups = [(g, min(self.G, J - g * self.G)) for g in range(-(-J // self.G))]
+        self.gathers: dict = {}
         self.graphs: dict = {}
-        for m in range(1, tokens + 1):  # warm-up (lazy library state), then capture
+        self._gather(0, 1)  # warm-up (lazy library state), then capture
+        for m in range(1, tokens + 1):
             self._body(0, m)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
-        for j in range(self.J):
+        for g, most in self.groups:
+            for c in range(1, most + 1):
+                self.gathers[(g, c)] = self._graph(self.pool, lambda g=g, c=c: self._gather(g, c))
+        for j in range(J):
             for m in range(1, tokens + 1):
                 self.graphs[(j, m)] = self._graph(self.pool, lambda j=j, m=m: self._body(j, m))
 
@@ -151,37 +178,50 @@ class _Grouped:
         return (tuple(sp.hidden.shape), sp.hidden.dtype, tuple(sp.weights.shape), sp.weights.dtype,
                 slots.key_of[(sp.layer, "gate_up")], slots.key_of[(sp.layer, "down")], type(sp.module.act_fn))
 
+    def _gather(self, g: int, c: int) -> None:
+        """The weights of ranks ``g * G`` .. ``g * G + c - 1`` from their slots (exact copies)."""
+        lo = g * self.G
+        for u, arena in self.arenas.items():
+            torch.index_select(arena.data, 0, self.slot[u][lo:lo + c], out=self.w[u][:c])
+
     def _body(self, j: int, m: int) -> None:
-        b = self.b
-        row = self.idx[j]
-        top_k_pos, token_idx = row[0:m], row[b:b + m]
-        gate_up, down = self.w["gate_up"], self.w["down"]
-        torch.index_select(self.arenas["gate_up"].data, 0, row[2 * b:2 * b + 1], out=gate_up)
-        torch.index_select(self.arenas["down"].data, 0, row[2 * b + 1:2 * b + 2], out=down)
-        h = expert_output(self.hid, token_idx, top_k_pos, gate_up[0], down[0], self.act_fn, self.wts)
-        accumulate(self.out, token_idx, h)
+        s = j * self.rows
+        i = j % self.G
+        h = expert_rows(self.cs[s:s + m], self.w["gate_up"][i], self.w["down"][i], self.act_fn, self.cw[s:s + m, None])
+        accumulate(self.out, self.tok[s:s + m], h)
+
+    def fill(self, experts: list, index, sizes: list, slots, layer: int) -> None:
+        """The layer's routing into the pinned index buffer (host side; :meth:`run` copies it over)."""
+        J, n = self.J, self.J * self.rows
+        host = self.idx_host.numpy()
+        host[:] = 0  # padding: slot 0, token 0 (computed into no output)
+        cols = index.shape[1]
+        counts = np.asarray(sizes, dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        dest = np.repeat(np.arange(len(sizes), dtype=np.int64) * self.rows - starts, counts) + np.arange(cols)
+        pos, tok = index[0].numpy(), index[1].numpy()
+        host[2 * J + dest] = tok
+        host[2 * J + n + dest] = tok * self.k + pos
+        r = slots.row[layer]
+        host[0:len(experts)] = slots.host["gate_up"][r][experts]
+        host[J:J + len(experts)] = slots.host["down"][r][experts]
 
     def run(self, sp: _Sparse, experts: list, index, sizes: list, slots) -> None:
         """Write the layer's routing into the index buffer and replay its hit experts' graphs."""
-        b = self.b
-        host = self.idx_host.numpy()
-        pos = index[0].numpy()
-        tok = index[1].numpy()
-        r = slots.row[sp.layer]
-        gu, dn = slots.host["gate_up"][r], slots.host["down"][r]
-        off = 0
-        for j, (e, m) in enumerate(zip(experts, sizes)):
-            host[j, 0:m] = pos[off:off + m]
-            host[j, b:b + m] = tok[off:off + m]
-            host[j, 2 * b] = gu[e]
-            host[j, 2 * b + 1] = dn[e]
-            off += m
+        self.fill(experts, index, sizes, slots, sp.layer)
         self.idx.copy_(self.idx_host, non_blocking=True)
-        self.hid.copy_(sp.hidden)
-        self.wts.copy_(sp.weights)
+        torch.index_select(sp.hidden, 0, self.tok, out=self.cs)
+        torch.index_select(sp.weights.reshape(-1), 0, self.lin, out=self.cw)
         self.out.zero_()
-        for j, m in enumerate(sizes):
-            self.graphs[(j, m)].replay()
+        hit = len(sizes)
+        for g, most in self.groups:
+            lo = g * self.G
+            if lo >= hit:
+                break
+            c = min(most, hit - lo)
+            self.gathers[(g, c)].replay()
+            for j in range(lo, lo + c):
+                self.graphs[(j, sizes[j])].replay()
         sp.out.copy_(self.out)
 
 
