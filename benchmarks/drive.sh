@@ -122,7 +122,7 @@ suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (t
     # resident decode step at batch 1, 4 and 16 (LAYERS=24, every expert resident), then the same model packed with zstd,
     # as a user packs it, served at SERVE_BUDGETS (16G 8G): benchmarks/serve_load.py at 1, 4 and 16 clients, SERVE_TOKENS
     # (64) new tokens sampled at SERVE_TEMPERATURE (1.0: greedy decoding of random weights is a loop), this code and the
-    # code in .before/ in turn, `zipmoe chat` on the same prompts beside this code's first run (about 20 min)
+    # code in .before/ in turn, `zipmoe chat` on the same prompts beside this code's first run (about 20 min); SERVE_CHAT=0 leaves chat out
     local L=${LAYERS:-24} D=$WORK/dec name=qwen1.5-moe-a2.7b b v first=1
     [ "$L" != 0 ] && name=$name-${L}L
     stage probe 120 probe
@@ -136,7 +136,7 @@ suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (t
     stage serve-pack 300 sh -c 'rm -f "$1/$2.zmoe" && zipmoe pack "$1/$2-src" -o "$1/$2-zstd.zmoe" --force' sh "$D" "$name"
     for b in ${SERVE_BUDGETS:-16G 8G}; do
         for v in after before; do
-            stage "serve-$b-$v" 420 serve_load "$v" "$D/$name-zstd.zmoe" "$b" $([ $first = 1 ] && [ $v = after ] && echo --chat)
+            stage "serve-$b-$v" 420 serve_load "$v" "$D/$name-zstd.zmoe" "$b" $([ $first = 1 ] && [ $v = after ] && [ "${SERVE_CHAT:-1}" = 1 ] && echo --chat)
         done
         first=0
     done
