@@ -1,4 +1,5 @@
-"""What differs between the transformers 5 releases zipmoe supports (``transformers>=5.0,<6``).
+"""What differs between the transformers 5 releases zipmoe supports (``transformers>=5.0,<5.25``:
+up to the newest release CI tests).
 
 Since 5.2x a model's forward (and ``generate``'s model keywords) take the KV cache as
 ``cache=``; earlier 5.x releases (5.17, the GPU box's) take ``past_key_values=``, which the newer
