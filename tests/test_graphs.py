@@ -235,7 +235,8 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
     Batch 1: the device-side sort, the gather through the slot map, the eager loop's ops.
     Batch 3, 4 and 16: the per-layer gathers, the per-(group, count) weight gathers and the
     per-(rank, token count) bodies fed from the host's index buffer, replayed in ascending
-    expert order (16 rows route to more experts than one weight group holds). (On CUDA the same bodies are captured and replayed: tests above.)
+    expert order (16 rows route to more experts than one weight group holds). (On CUDA the
+    same bodies are captured and replayed: tests above.)
     """
     from zipmoe.runtime.engine import graphs
     from zipmoe.runtime.engine.experts_hook import routed_indices, zipmoe_experts_forward
