@@ -37,22 +37,6 @@ def test_missing_baseline_names_the_extra(monkeypatch, name, module):
     assert why and "zipmoe[baselines]" in why and name in why and "\n" not in why
 
 
-def test_moe_infinity_placeholder_and_absent(tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "moe_infinity" else real(n, *a))
-    assert engines.missing_extra("moe-infinity") == moe_infinity_engine.EXTRA_LINE
-    monkeypatch.undo()
-    # the PyPI placeholder: an empty moe_infinity package
-    (tmp_path / "moe_infinity").mkdir()
-    (tmp_path / "moe_infinity" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "moe_infinity", raising=False)
-    why = engines.missing_extra("moe-infinity")
-    assert "placeholder" in why and "source" in why
-    with pytest.raises(UsageError, match="placeholder"):
-        moe_infinity_engine.before_load({"device": "cpu"})
-
-
 def test_baselines_are_selectable_and_in_the_extra():
     for name in ("deepspeed", "llama.cpp", "moe-infinity"):
         assert name in engines.BASELINES and engines.engine(name).budgeted
@@ -159,7 +143,7 @@ def test_bench_conversion_failure_keeps_other_engines(mixtral, tmp_path, monkeyp
 
     synth.write("qwen2_moe", tmp_path / "qw", preset="tiny", seed=0, force=True, progress=False)
     pack(tmp_path / "qw", tmp_path / "qw.zmoe")
-    monkeypatch.setattr(engines, "missing_extra", lambda name: None)  # as if llama-cpp-python were installed
+    monkeypatch.setattr(engines, "missing_extra", lambda name, *a: None)  # as if llama-cpp-python were installed
     ran = []
 
     def fake_worker(spec, support, limit, log_path, on_progress, timeout_s=None):

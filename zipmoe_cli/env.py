@@ -19,7 +19,7 @@ from pathlib import Path
 from zipmoe.errors import UsageError
 
 __all__ = ["engine_env", "load_options", "cache_dir", "deepspeed_env", "READERS", "PREFETCH", "FORCE", "CACHE_DIR",
-           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET"]
+           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET", "moe_infinity_site_env", "MOE_INFINITY_SITE"]
 
 READERS = "ZIPMOE_READERS"
 PREFETCH = "ZIPMOE_PREFETCH"
@@ -28,6 +28,7 @@ CACHE_DIR = "ZIPMOE_CACHE_DIR"
 DEEPSPEED_OFFLOAD = "ZIPMOE_BENCH_DEEPSPEED_OFFLOAD"
 DEEPSPEED_BUILD_TIMEOUT = "ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT"
 DEEPSPEED_LOAD_IN_BUDGET = "ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET"
+MOE_INFINITY_SITE = "ZIPMOE_BENCH_MOE_INFINITY_SITE"
 
 
 def _get(environ: Mapping[str, str] | None, name: str) -> str:
@@ -104,3 +105,10 @@ def deepspeed_env(environ: Mapping[str, str] | None = None) -> dict:
             raise UsageError(f"{DEEPSPEED_BUILD_TIMEOUT}={timeout!r}: expected seconds, a number above 0")
         timeout = seconds
     return {"offload": offload, "build_timeout_s": timeout, "load_in_budget": _switch(environ, DEEPSPEED_LOAD_IN_BUDGET)}
+
+
+def moe_infinity_site_env(environ: Mapping[str, str] | None = None) -> Path | None:
+    """`zipmoe bench`'s moe-infinity folder from ``ZIPMOE_BENCH_MOE_INFINITY_SITE`` (None when unset
+    or empty; ``--moe-infinity-site`` wins)."""
+    value = _get(environ, MOE_INFINITY_SITE)
+    return Path(value).expanduser() if value else None

@@ -80,8 +80,9 @@ def engine(name: str) -> EngineSpec:
         raise UsageError(f"unknown engine {name!r}: choose from {', '.join(ENGINES)}") from None
 
 
-def missing_extra(name: str) -> str | None:
-    """A one-line reason when the engine's Python packages are missing, else None."""
+def missing_extra(name: str, moe_infinity_site: str | None = None) -> str | None:
+    """A one-line reason when the engine's Python packages are missing, else None (MoE-Infinity:
+    in its own environment, ``moe_infinity_site`` first on the path; see moe_infinity_engine)."""
     spec = engine(name)
     import importlib.util
 
@@ -100,7 +101,7 @@ def missing_extra(name: str) -> str | None:
     if spec.name == "moe-infinity":
         from zipmoe.runtime.bench.moe_infinity_engine import missing
 
-        return missing()
+        return missing(moe_infinity_site)
     return None
 
 

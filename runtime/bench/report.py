@@ -136,6 +136,10 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         gpu = [r["cuda_peak_bytes"] for r in rs if r.get("cuda_peak_bytes")]
         row["peak_counted_bytes"] = max(held) if held else None
         row["cuda_peak_bytes"] = max(gpu) if gpu else None
+        used = [r["gpu_used_bytes"] for r in rs if r.get("gpu_used_bytes")]  # the device's, every allocator's
+        row["gpu_used_bytes"] = max(used) if used else None
+        rss = [r["peak_rss_run_bytes"] for r in rs if r.get("peak_rss_run_bytes")]
+        row["peak_rss_run_bytes"] = max(rss) if rss else None
         rows.append(row)
     rows.sort(key=lambda r: (r["workload"], r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
     return rows
@@ -289,12 +293,24 @@ def _fmt_budget(b) -> str:
 COMPACT = ("engine", "budget", "batch", "tokens", "TPOT", "×floor")
 
 
+# engines that allocate GPU memory outside torch's allocator: their GPU figure is the device's memory in use
+GPU_OUTSIDE_TORCH = ("moe-infinity",)
+
+
 def _fmt_held(r: dict) -> str:
-    """Peak bytes the budget counted (allocator rounding included) · the GPU allocator's peak."""
+    """Peak bytes the budget counted (allocator rounding included) · the GPU allocator's peak. An
+    engine without the budget's count shows its peak RSS instead (``rss``); one that allocates
+    outside torch (MoE-Infinity) the device's memory in use (``dev``)."""
     h, g = r.get("peak_counted_bytes"), r.get("cuda_peak_bytes")
-    if h is None and g is None:
+    left = _fmt_budget(h) if h is not None else None
+    if left is None and r.get("engine") in GPU_OUTSIDE_TORCH and r.get("peak_rss_run_bytes"):
+        left = f"rss {_fmt_budget(r['peak_rss_run_bytes'])}"
+    right = _fmt_budget(g) if g is not None else None
+    if r.get("engine") in GPU_OUTSIDE_TORCH and r.get("gpu_used_bytes"):
+        right = f"dev {_fmt_budget(r['gpu_used_bytes'])}"
+    if left is None and right is None:
         return "–"
-    return f"{'–' if h is None else _fmt_budget(h)} · {'–' if g is None else _fmt_budget(g)}"
+    return f"{left or '–'} · {right or '–'}"
 
 
 def render_table(rows: list[dict], rats: list[dict], console=None, title: str = "zipmoe bench", compact: bool = False):

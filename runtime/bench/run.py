@@ -76,6 +76,7 @@ class BenchConfig:
     sample_seed: int = 0  # --seed: the sample workload's torch seed (set before every run)
     temperature: float = 1.0  # --temperature: the sample workload's
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
+    moe_infinity_site: Path | None = None  # the moe-infinity engine's own Python folder (benchmarks/moe_infinity_build.sh)
     engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
     # the zipmoe engines' zipmoe.load overrides (None: the engine's default; zipmoe-noprefetch turns prefetch off anyway)
     readers: int | None = None
@@ -169,6 +170,10 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
     worker still running after ``timeout_s`` is killed with every process it started
     (:func:`procs.kill_tree`) and reported as timed out, with the runs it finished."""
     env = dict(os.environ)
+    if spec.get("engine") == "moe-infinity":  # its own Python folder first: its pinned transformers, never zipmoe's process
+        from zipmoe.runtime.bench.moe_infinity_engine import worker_env
+
+        env = worker_env(spec.get("moe_infinity_site"), env)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cg = None
@@ -359,13 +364,15 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         "cold": cfg.cold, "plan": str(cfg.plan) if cfg.plan else None, "time_limit_s": cfg.time_limit_s, "threads": cfg.threads,
         "workload": cfg.workload, **({"seed": cfg.sample_seed, "temperature": cfg.temperature} if cfg.workload == "sample" else {}),
         **{k: v for k, v in (("readers", cfg.readers), ("prefetch", cfg.prefetch), ("deepspeed_offload", cfg.deepspeed_offload),
-                             ("deepspeed_load_in_budget", cfg.deepspeed_load_in_budget or None)) if v is not None},
+                             ("deepspeed_load_in_budget", cfg.deepspeed_load_in_budget or None),
+                             ("moe_infinity_site", str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None)) if v is not None},
     })
 
     # engines that cannot run at all: say why, keep going with the others
     runnable = []
     for eng in cfg.engines:
-        why = engines.missing_extra(eng) or engines.check_runtime_options(eng)
+        why = (engines.missing_extra(eng, str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None)
+               or engines.check_runtime_options(eng))
         if why:
             errors.append(why)
             doc["errors"].append({"engine": eng, "error": why})
@@ -496,6 +503,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "profile": str(cfg.profile) if cfg.profile else None,
                 "cache_dir": str(cfg.cache_dir) if cfg.cache_dir else None,
                 "deepspeed_offload": cfg.deepspeed_offload, "deepspeed_load_in_budget": cfg.deepspeed_load_in_budget,
+                "moe_infinity_site": str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None,
             }
             from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget
 

@@ -527,6 +527,8 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         rec.update(diag.finish(gen))
     if device == "cuda":
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        free, total = torch.cuda.mem_get_info(0)  # every allocator's (MoE-Infinity's allocates outside torch's)
+        rec["gpu_used_bytes"] = int(total - free)
     if runtime is not None and hasattr(runtime, "memory"):
         rec["memory"] = runtime.memory()  # counted (allocator rounding included) beside the allocator's figures
     return rec
