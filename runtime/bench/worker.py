@@ -543,6 +543,8 @@ def _emit(path: str | None, rec: dict) -> None:
 def main() -> int:
     cgroup = join_from_env()  # before torch: everything this process touches is charged
     spec = json.loads(sys.stdin.read())
+    global _hard_exit
+    _hard_exit = spec.get("engine") in HARD_EXIT_ENGINES
     result_path = spec.get("result_path")
     # keep stdout for the final JSON: libraries print to fd 1 (C code too)
     real_stdout = os.fdopen(os.dup(1), "w")
@@ -661,5 +663,16 @@ def main() -> int:
     return 0 if doc["ok"] else 1
 
 
+# Engines whose native threads can keep a finished process from exiting (MoE-Infinity's I/O and
+# prefetch threads, joined in static destructors): their worker leaves with os._exit once its
+# result line is written and flushed, so the parent never waits for a process that is done.
+HARD_EXIT_ENGINES = ("moe-infinity",)
+_hard_exit = False
+
+
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    code = main()
+    if _hard_exit:
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
