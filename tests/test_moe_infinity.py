@@ -229,3 +229,17 @@ def test_build_script_and_patches_are_there():
         assert patch.startswith("diff --git") and "zipmoe patch" in patch
     r = subprocess.run(["bash", str(script), "build", "nope", "/tmp/x"], capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == ["moe_infinity_build: unknown ref 'nope': dev or main"]
+
+
+def test_report_shows_its_host_and_device_memory():
+    """MoE-Infinity has no counted budget and allocates outside torch: the held column shows its
+    peak RSS and the device's memory in use, not torch's allocator peak."""
+    from zipmoe.runtime.bench import report
+
+    row = {"engine": "moe-infinity", "peak_counted_bytes": None, "cuda_peak_bytes": 1 << 20,
+           "gpu_used_bytes": 5 << 30, "peak_rss_run_bytes": {"median": 12 << 30}}
+    held = report._fmt_held(row)
+    assert held.startswith("rss ") and " · dev " in held and "12" in held and "5" in held.split("dev ")[1]
+    zipmoe_row = {"engine": "zipmoe", "peak_counted_bytes": 3 << 30, "cuda_peak_bytes": 3 << 30, "gpu_used_bytes": 4 << 30,
+                  "peak_rss_run_bytes": {"median": 2 << 30}}
+    assert "rss" not in report._fmt_held(zipmoe_row) and "dev" not in report._fmt_held(zipmoe_row)

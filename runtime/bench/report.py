@@ -138,8 +138,6 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         row["cuda_peak_bytes"] = max(gpu) if gpu else None
         used = [r["gpu_used_bytes"] for r in rs if r.get("gpu_used_bytes")]  # the device's, every allocator's
         row["gpu_used_bytes"] = max(used) if used else None
-        rss = [r["peak_rss_run_bytes"] for r in rs if r.get("peak_rss_run_bytes")]
-        row["peak_rss_run_bytes"] = max(rss) if rss else None
         rows.append(row)
     rows.sort(key=lambda r: (r["workload"], r["batch"], r["new_tokens"], r["budget"] or 0, _order(r["engine"])))
     return rows
@@ -303,8 +301,9 @@ def _fmt_held(r: dict) -> str:
     outside torch (MoE-Infinity) the device's memory in use (``dev``)."""
     h, g = r.get("peak_counted_bytes"), r.get("cuda_peak_bytes")
     left = _fmt_budget(h) if h is not None else None
-    if left is None and r.get("engine") in GPU_OUTSIDE_TORCH and r.get("peak_rss_run_bytes"):
-        left = f"rss {_fmt_budget(r['peak_rss_run_bytes'])}"
+    rss = _med(r, "peak_rss_run_bytes")
+    if left is None and r.get("engine") in GPU_OUTSIDE_TORCH and rss:
+        left = f"rss {_fmt_budget(rss)}"
     right = _fmt_budget(g) if g is not None else None
     if r.get("engine") in GPU_OUTSIDE_TORCH and r.get("gpu_used_bytes"):
         right = f"dev {_fmt_budget(r['gpu_used_bytes'])}"
