@@ -69,7 +69,7 @@ planner|qwen 8G: the plan against full tensors only in both orders, planner chec
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
 demo-cpu|the demo on the GPU box's CPU (DEMO_CPUS=0-7) and NVMe: plans at DEMO_BUDGETS checked against every alternative (§7)
-moe-infinity|MoE-Infinity built from source (dev and main refs side by side, benchmarks/moe_infinity_build.sh), mixtral-8x7b shapes (MI_LAYERS=4 of 32), zipmoe, zipmoe-basic and moe-infinity at a quarter and half of the experts (MI_FRACTIONS), batch 1,4, cold then warm; accelerate and deepspeed cold at batch 1; the paper's tables (§26, ~25 min; carry .whl and .moei)
+moe-infinity|MoE-Infinity built from source (dev and main refs side by side, benchmarks/moe_infinity_build.sh), mixtral-8x7b shapes (MI_LAYERS=4 of 32), zipmoe, zipmoe-basic and moe-infinity at MI_BUDGETS, else where the pools hold a quarter and half of the experts (MI_FRACTIONS), batch 1,4, cold then warm; accelerate and deepspeed cold at batch 1; the paper's tables (§26, ~25 min; carry .whl and .moei)
 cpu-figures|CPU box: the demo at 100/50/20% of the experts, the 900M plan check, bench against accelerate/uncompressed, codecs (§6-8)
 cpu-tables|CPU box: the paper's tables, ZMOE at BUDGET (800M): batch 1,4,16 and 128/512 tokens, the ablations, llama.cpp (§20)"
 
@@ -319,10 +319,13 @@ suite_moe_infinity() {  # issue 23: MoE-Infinity beside zipmoe on the same check
     bg_stage mi-build-main "${MI_BUILD_LIMIT:-600}" moei_build main
     stage mx-synth 300 zipmoe synth mixtral --preset "${MI_PRESET:-mixtral-8x7b}" --layers "$L" -o "$M-src" --force
     stage mx-pack 300 zipmoe pack "$M-src" -o "$M.zmoe" --force
-    stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"
+    # MI_BUDGETS="6G 9G": those budgets; else the ones whose pools hold MI_FRACTIONS of the experts
+    # (on 352 MiB experts zipmoe's working set makes those close to the model's size: §26)
+    if [ -n "${MI_BUDGETS:-}" ]; then xo "$W/mx-budgets.txt" echo "$MI_BUDGETS"
+    else stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"; fi
     wait_bg
     stage mi-site 30 mi_pick
-    for b in $(cat "$W/mx-budgets.txt" 2>/dev/null || echo "${MI_BUDGETS:-3G 6G}"); do budgets+=(--budget "$b"); done
+    for b in $(cat "$W/mx-budgets.txt" 2>/dev/null || echo "${MI_BUDGETS:-10G 12.5G}"); do budgets+=(--budget "$b"); done
     common=(--source "$M-src" --device cuda --runs "$RUNS" --new-tokens "$TOKENS" --time-limit "$MI_TIME_LIMIT" --work-dir "$W/mx-work"
         --engine-timeout 420 --merge $BENCH_EXTRA)
     # cold, then warm (page cache kept): one JSON each, as their rows would merge
