@@ -328,10 +328,12 @@ suite_moe_infinity() {  # issue 23: MoE-Infinity beside zipmoe on the same check
     for b in $(cat "$W/mx-budgets.txt" 2>/dev/null || echo "${MI_BUDGETS:-10G 12.5G}"); do budgets+=(--budget "$b"); done
     common=(--source "$M-src" --device cuda --runs "$RUNS" --new-tokens "$TOKENS" --time-limit "$MI_TIME_LIMIT" --work-dir "$W/mx-work"
         --engine-timeout 420 --merge $BENCH_EXTRA)
-    # cold, then warm (page cache kept): one JSON each, as their rows would merge
+    # cold, then warm (page cache kept): one JSON each, as their rows would merge; after the cold
+    # bench, MoE-Infinity once more under a crash handler when its worker died (§26: SIGSEGV)
     for m in cold warm; do
         stage "bench-$m" 900 mi_bench "$m" "$M.zmoe" --engine zipmoe --engine zipmoe-basic --engine moe-infinity "${budgets[@]}" \
             --batch 1,4 "${common[@]}" --json "$W/mx-$m.json"
+        [ $m = cold ] && stage mi-diagnose 240 mi_diagnose "$W/mx-cold.json" "$W/mx-work/offload"
     done
     stage bench-baselines 600 zipmoe bench "$M.zmoe" --engine accelerate --engine deepspeed "${budgets[@]}" --batch 1 --cold \
         "${common[@]}" --time-limit "$ACC_TIME_LIMIT" --json "$W/mx-cold.json"
@@ -363,6 +365,14 @@ r = requirements(sys.argv[1], dtype="auto")
 bs = ["%dM" % (r["budget_for"](float(f)) // 2**20) for f in sys.argv[3].split(",")]
 print("experts %.2f GiB, dense %.2f GiB: budgets %s" % (r["expert_bytes_full"] / 2**30, r["dense_bytes"] / 2**30, " ".join(bs)))
 open(sys.argv[2], "w").write(" ".join(bs))' "$1" "$2" "${MI_FRACTIONS:-0.25,0.5}"
+}
+
+mi_diagnose() {  # mi_diagnose BENCH_JSON OFFLOAD: benchmarks/moe_infinity_build.sh diagnose, when moe-infinity failed there
+    local site; site=$(cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none)
+    if [ -z "$DRY" ] && ! python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); sys.exit(0 if any(e.get("engine") == "moe-infinity" for e in d.get("errors", [])) else 1)' "$1"; then
+        echo "moe-infinity ran: no diagnosis needed"; return 0
+    fi
+    x bash "$REPO/benchmarks/moe_infinity_build.sh" diagnose "$site" "$2/moe-infinity-view" "$2/moe-infinity-store" "$WORK/mi-diagnose"
 }
 
 mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from the picked site

@@ -12,6 +12,10 @@
 #                        box's own torch (python3), the pinned wheels and the package installed into
 #                        SITE; SITE/ZIPMOE_BUILD.json says what was built and how the import went
 #   benchmarks/moe_infinity_build.sh check SITE        does moe_infinity import from SITE (in a child process)
+#   benchmarks/moe_infinity_build.sh diagnose SITE VIEW STORE [WORK]
+#                        MoE(VIEW) and 4 tokens under a preloaded crash handler: on a fatal signal,
+#                        the faulting thread and its native backtrace (addr2line), with
+#                        MoE-Infinity's trace log (WORK/diagnose.log)
 #
 # Settings (environment): BUNDLE (the bundle folder, default .moei in the checkout), PYTHON
 # (python3: the interpreter whose torch the extension is built against), MAX_JOBS (the compile's
@@ -187,8 +191,71 @@ print("@@build " + json.dumps(rec))
 EOF
 }
 
+diagnose() {  # diagnose SITE VIEW STORE: MoE(VIEW) and 4 greedy tokens from SITE, with a crash handler
+    # preloaded: on SIGSEGV, SIGFPE, SIGBUS or SIGABRT it prints the signal, the faulting address,
+    # the thread (tid = pid: the main thread) and its native backtrace, resolved with addr2line;
+    # MoE-Infinity's trace log on, stdout unbuffered (its logger writes through C stdout)
+    local site=$1 view=$2 store=$3 work=${4:-/tmp/moe-infinity-build} rc
+    [ -d "$site/moe_infinity" ] || die "$site holds no moe_infinity package"
+    [ -e "$view/config.json" ] || die "$view has no config.json (a checkpoint folder: bench's offload/moe-infinity-view)"
+    mkdir -p "$work" "$store" || die "cannot make $work or $store"
+    cat > "$work/crash_handler.c" <<'C'
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static char alt[1 << 16];
+static void on_signal(int sig, siginfo_t* info, void* ctx) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  Dl_info d;
+  (void)ctx;
+  dprintf(2, "\n@@crash signal %d address %p tid %ld pid %d\n", sig, info->si_addr, (long)syscall(SYS_gettid), getpid());
+  for (int i = 0; i < n; i++)
+    if (dladdr(frames[i], &d) && d.dli_fname)
+      dprintf(2, "@@frame %s 0x%lx\n", d.dli_fname, (unsigned long)((char*)frames[i] - (char*)d.dli_fbase - 1));
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+__attribute__((constructor)) static void install(void) {
+  void* warm[2];
+  backtrace(warm, 2); /* loads libgcc before any crash */
+  stack_t ss = {.ss_sp = alt, .ss_size = sizeof alt};
+  sigaltstack(&ss, 0);
+  struct sigaction a = {0};
+  a.sa_sigaction = on_signal;
+  a.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  int sigs[] = {SIGSEGV, SIGFPE, SIGBUS, SIGABRT};
+  for (int i = 0; i < 4; i++) sigaction(sigs[i], &a, 0);
+}
+C
+    gcc -shared -fPIC -O1 -o "$work/crash_handler.so" "$work/crash_handler.c" -ldl || die "cannot build the crash handler"
+    (cd /tmp && PYTHONUNBUFFERED=1 MUDUO_LOG_TRACE=1 LD_PRELOAD="$work/crash_handler.so" PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout "${DIAG_TIMEOUT:-150}" "$PYTHON" - "$view" "$store" > "$work/diagnose.log" 2>&1 <<'EOF'
+import sys
+import torch
+from moe_infinity import MoE
+model = MoE(sys.argv[1], {"offload_path": sys.argv[2], "device_memory_ratio": 0.05})
+print("@@loaded", flush=True)
+out = model.generate(torch.tensor([[1, 2, 3, 4]], device="cuda"), max_new_tokens=4, do_sample=False)
+print("@@generated", out.tolist(), flush=True)
+EOF
+    )
+    rc=$?
+    echo "== diagnose: exit status $rc; the log's last lines (all of it: $work/diagnose.log)"
+    grep -v '^@@frame\|^  \|^}' "$work/diagnose.log" | tail -n "${DIAG_LINES:-40}" | cut -c1-300
+    grep '^@@frame' "$work/diagnose.log" | while read -r _ f o; do
+        echo "  $o $(addr2line -Cfpe "$f" "$o" 2>/dev/null | head -1)  [$f]"
+    done | head -40
+    return $rc
+}
+
 case "${1:-}" in
     bundle) shift; bundle "$@" ;;
+    diagnose) shift; [ $# -ge 3 ] || die "usage: diagnose SITE VIEW STORE [WORK]"; diagnose "$@" ;;
     build) shift; build "$@" ;;
     check) shift; [ $# -ge 1 ] || die "usage: check SITE [dev|main]"; check "$@" ;;
     -h|--help|"") usage ;;

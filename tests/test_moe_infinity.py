@@ -243,3 +243,25 @@ def test_report_shows_its_host_and_device_memory():
     zipmoe_row = {"engine": "zipmoe", "peak_counted_bytes": 3 << 30, "cuda_peak_bytes": 3 << 30, "gpu_used_bytes": 4 << 30,
                   "peak_rss_run_bytes": {"median": 2 << 30}}
     assert "rss" not in report._fmt_held(zipmoe_row) and "dev" not in report._fmt_held(zipmoe_row)
+
+
+def test_diagnose_prints_the_native_backtrace_of_a_crash(tmp_path):
+    """`moe_infinity_build.sh diagnose`: a fake MoE-Infinity that dies of SIGSEGV in native code
+    (as the real one does in set_topology on the H200 box, docs/benchmarks.md §26) is reported with
+    the signal, the thread and a backtrace that names the native function."""
+    import shutil
+
+    if shutil.which("gcc") is None or shutil.which("addr2line") is None:
+        pytest.fail("the diagnose command needs gcc and addr2line (binutils), as the GPU box has")
+    site = _site(tmp_path / "site", "import ctypes\nclass MoE:\n    def __init__(self, *a, **k):\n"
+                                    "        print('[INFO] converting', flush=True)\n        ctypes.string_at(0)\n")
+    view = tmp_path / "view"
+    view.mkdir()
+    (view / "config.json").write_text("{}")
+    script = Path(__file__).parents[1] / mi.BUILD
+    r = subprocess.run(["bash", str(script), "diagnose", str(site), str(view), str(tmp_path / "store"), str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable))
+    assert r.returncode != 0
+    assert "exit status 139" in r.stdout and "[INFO] converting" in r.stdout and "@@crash signal 11" in r.stdout, r.stdout + r.stderr
+    assert "string_at" in r.stdout or "strlen" in r.stdout  # the frames are resolved to function names
+    assert (tmp_path / "work" / "diagnose.log").is_file()
