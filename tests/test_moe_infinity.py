@@ -265,3 +265,14 @@ def test_diagnose_prints_the_native_backtrace_of_a_crash(tmp_path):
     assert "exit status 139" in r.stdout and "[INFO] converting" in r.stdout and "@@crash signal 11" in r.stdout, r.stdout + r.stderr
     assert "string_at" in r.stdout or "strlen" in r.stdout  # the frames are resolved to function names
     assert (tmp_path / "work" / "diagnose.log").is_file()
+
+
+def test_a_worker_killed_by_a_signal_names_it_and_for_moe_infinity_the_diagnosis():
+    from zipmoe.runtime.bench.run import no_report_error
+
+    spec = {"engine": "moe-infinity", "moe_infinity_site": "/tmp/moei-site-main", "offload_folder": "/w/offload/moe-infinity-8G"}
+    line = no_report_error(spec, -11)
+    assert line.startswith("worker exited with status -11 (SIGSEGV) and no report; to see where it crashed: ")
+    assert f"{mi.BUILD} diagnose /tmp/moei-site-main /w/offload/moe-infinity-view /w/offload/moe-infinity-store" in line
+    assert no_report_error({"engine": "zipmoe"}, -9) == "worker exited with status -9 (SIGKILL) and no report"
+    assert no_report_error({"engine": "moe-infinity"}, 1) == "worker exited with status 1 and no report"

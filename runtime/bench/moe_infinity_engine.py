@@ -166,6 +166,15 @@ def store_folder(offload_folder: str | Path) -> Path:
     return Path(offload_folder).parent / "moe-infinity-store"
 
 
+def crash_hint(spec: dict) -> str:
+    """What to run when MoE-Infinity's worker died of a signal: the build script's ``diagnose``
+    on the same site, checkpoint view and store (it prints the faulting thread's native backtrace)."""
+    off = Path(spec.get("offload_folder") or "offload/moe-infinity")
+    site = spec.get("moe_infinity_site") or "SITE"
+    return (f"to see where it crashed: {BUILD} diagnose {site} {off.parent / 'moe-infinity-view'} "
+            f"{store_folder(off)}")
+
+
 def gpu_used_bytes(torch) -> int:
     """Device memory in use on GPU 0 (every allocator: MoE-Infinity allocates outside torch's)."""
     free, total = torch.cuda.mem_get_info(0)

@@ -165,6 +165,25 @@ START_ALLOWANCE = 4 << 30  # room for the imports before the worker measures its
 # ----------------------------------------------------------------------------- workers
 
 
+def no_report_error(spec: dict, rc: int) -> str:
+    """The error of a worker that died without its result line: the status, the signal's name
+    when a signal ended it, and for MoE-Infinity the command that shows where it crashed."""
+    import signal
+
+    line = f"worker exited with status {rc}"
+    if rc < 0:
+        try:
+            line += f" ({signal.Signals(-rc).name})"
+        except ValueError:
+            pass
+    line += " and no report"
+    if rc < 0 and spec.get("engine") == "moe-infinity":
+        from zipmoe.runtime.bench.moe_infinity_engine import crash_hint
+
+        line += f"; {crash_hint(spec)}"
+    return line
+
+
 def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on_progress, timeout_s: float | None = None) -> dict:
     """Run one engine's worker process (inside a memory cgroup when possible); its JSON doc. A
     worker still running after ``timeout_s`` is killed with every process it started
@@ -230,7 +249,7 @@ def run_worker(spec: dict, cgroup_support, limit: int | None, log_path: Path, on
             if result_path.exists():
                 runs = [json.loads(x) for x in result_path.read_text().splitlines() if x.strip()]
             doc = {"engine": spec["engine"], "budget": spec.get("budget"), "ok": False, "runs": runs,
-                   "error": f"worker exited with status {rc} and no report", "error_type": "Killed" if rc < 0 else "Crashed"}
+                   "error": no_report_error(spec, rc), "error_type": "Killed" if rc < 0 else "Crashed"}
         if expired.is_set():
             doc.update(ok=False, error_type="Timeout", user_error=True,
                        error=f"engine {spec['engine']} did not finish in {timeout_s:g} s (--engine-timeout); its finished runs are kept")
