@@ -41,26 +41,46 @@ EXTRA_LINE = ("baseline 'moe-infinity' needs MoE-Infinity built from its source 
 BUDGET_BROKEN = ("MoE-Infinity keeps every expert it has read in pinned host memory, a pool sized when it is compiled "
                  "(HOST_MEMORY_RATIO of the machine's RAM); the budget sizes its GPU cache only (device_memory_ratio)")
 
-# What the probe process prints: one JSON line (run with the site first on PYTHONPATH)
-_PROBE = r"""
-import json, sys
-out = {"python": sys.version.split()[0]}
-try:
+# The probe process: :func:`inspect_here` in a process with the site first on PYTHONPATH
+_PROBE = ("import json\nfrom zipmoe.runtime.bench.moe_infinity_engine import inspect_here\n"
+          "print('@@probe ' + json.dumps(inspect_here()))")
+
+
+def inspect_here() -> dict:
+    """What this process imports: moe_infinity found (``found``), its file, ``has_moe`` (False:
+    the PyPI placeholder), the transformers it imports, or the first line of the error. Run in
+    the probe process and in the worker: never in bench's own process."""
     import importlib.util
-    spec = importlib.util.find_spec("moe_infinity")
-    out["found"] = spec is not None
-    if spec is not None:
-        out["file"] = spec.origin
-        import moe_infinity
-        out["has_moe"] = hasattr(moe_infinity, "MoE")
-        out["version"] = getattr(moe_infinity, "__version__", None)
-    import transformers
-    out["transformers"] = transformers.__version__
-    out["transformers_file"] = transformers.__file__
-except BaseException as exc:
-    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-print("@@probe " + json.dumps(out))
-"""
+
+    out = {"python": sys.version.split()[0]}
+    try:
+        spec = importlib.util.find_spec("moe_infinity")
+        out["found"] = spec is not None
+        if spec is not None:
+            out["file"] = spec.origin
+            import moe_infinity
+
+            out["has_moe"] = hasattr(moe_infinity, "MoE")
+            out["version"] = getattr(moe_infinity, "__version__", None)
+        import transformers
+
+        out["transformers"] = transformers.__version__
+        out["transformers_file"] = transformers.__file__
+    except BaseException as exc:  # noqa: BLE001  (a failing import is what is reported)
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return out
+
+
+def refusal(seen: dict) -> str | None:
+    """The one line for what :func:`inspect_here` saw, None when MoE-Infinity is usable."""
+    if seen.get("found") is False:
+        return EXTRA_LINE
+    if "error" in seen:
+        return f"baseline 'moe-infinity': moe_infinity does not import in its environment ({seen['error']})"
+    if not seen.get("has_moe"):
+        return ("baseline 'moe-infinity': the moe_infinity found is the PyPI placeholder (no MoE class); "
+                + EXTRA_LINE.split("needs ", 1)[1])
+    return None
 
 
 def worker_env(site: str | None, environ: dict | None = None) -> dict:
@@ -75,9 +95,8 @@ def worker_env(site: str | None, environ: dict | None = None) -> dict:
 
 
 def probe(site: str | None, python: str | None = None, timeout_s: float = 180.0) -> dict:
-    """What a process with :func:`worker_env` sees: moe_infinity found, its file, ``has_moe``
-    (False: the PyPI placeholder), the transformers it imports, or the first line of the error.
-    Runs in a child process: nothing of the site is imported here."""
+    """:func:`inspect_here` in a child process with :func:`worker_env`: nothing of the site is
+    imported here."""
     try:
         r = subprocess.run([python or sys.executable, "-c", _PROBE], env=worker_env(site), capture_output=True, text=True,
                            timeout=timeout_s)
@@ -96,36 +115,19 @@ def missing(site: str | None = None) -> str | None:
         if not Path(site).is_dir():
             return f"baseline 'moe-infinity': --moe-infinity-site {site} is not a folder ({BUILD} makes one)"
         return f"baseline 'moe-infinity': --moe-infinity-site {site} holds no moe_infinity package ({BUILD} makes one)"
-    p = probe(site)
-    if p.get("found") is False:
-        return EXTRA_LINE
-    if "error" in p:
-        return f"baseline 'moe-infinity': moe_infinity does not import in its environment ({p['error']})"
-    if not p.get("has_moe"):
-        return ("baseline 'moe-infinity': the moe_infinity found is the PyPI placeholder (no MoE class); "
-                + EXTRA_LINE.split("needs ", 1)[1])
-    return None
+    return refusal(probe(site))
 
 
 def before_load(spec: dict) -> dict:
     """In the worker (its own environment): import MoE-Infinity, check the GPU, say how it runs."""
-    import importlib.util
-
-    if importlib.util.find_spec("moe_infinity") is None:
-        raise UsageError(EXTRA_LINE)
-    try:
-        import moe_infinity
-    except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"baseline 'moe-infinity': moe_infinity does not import ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    if not hasattr(moe_infinity, "MoE"):
-        raise UsageError("baseline 'moe-infinity': the installed moe_infinity is the PyPI placeholder (no MoE class); "
-                         + EXTRA_LINE.split("needs ", 1)[1])
+    seen = inspect_here()
+    why = refusal(seen)
+    if why:
+        raise UsageError(why)
     if spec["device"] != "cuda":
         raise DeviceError("baseline 'moe-infinity' runs on a CUDA GPU only (its expert cache lives in GPU memory): use --device cuda")
-    import transformers
-
-    return {"moe_infinity": getattr(moe_infinity, "__version__", "?"), "moe_infinity_file": moe_infinity.__file__,
-            "transformers": transformers.__version__, "site": spec.get("moe_infinity_site"), "budget_broken": BUDGET_BROKEN}
+    return {"moe_infinity": seen.get("version") or "?", "moe_infinity_file": seen.get("file"),
+            "transformers": seen.get("transformers"), "site": spec.get("moe_infinity_site"), "budget_broken": BUDGET_BROKEN}
 
 
 LEGACY_KEYS = ("torch_dtype", "rope_theta")
@@ -175,15 +177,11 @@ def crash_hint(spec: dict) -> str:
             f"{store_folder(off)}")
 
 
-def gpu_used_bytes(torch) -> int:
-    """Device memory in use on GPU 0 (every allocator: MoE-Infinity allocates outside torch's)."""
-    free, total = torch.cuda.mem_get_info(0)
-    return int(total - free)
-
-
 def load(spec: dict, info: dict):
     import torch
     from moe_infinity import MoE
+
+    from zipmoe.runtime.bench.worker import gpu_used_bytes
 
     total = torch.cuda.get_device_properties(0).total_memory
     ratio = max(0.001, min(0.95, int(spec["budget"]) / total))

@@ -353,6 +353,7 @@ def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
 def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict, list[str]]:
     """Run everything; returns (the out.json document, errors as one-line strings)."""
     errors: list[str] = []
+    mi_site = str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None  # the moe-infinity engine's folder
     check_workload(cfg.workload)
     device = resolve_device(cfg.device)
     for eng in cfg.engines:
@@ -384,13 +385,13 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         "workload": cfg.workload, **({"seed": cfg.sample_seed, "temperature": cfg.temperature} if cfg.workload == "sample" else {}),
         **{k: v for k, v in (("readers", cfg.readers), ("prefetch", cfg.prefetch), ("deepspeed_offload", cfg.deepspeed_offload),
                              ("deepspeed_load_in_budget", cfg.deepspeed_load_in_budget or None),
-                             ("moe_infinity_site", str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None)) if v is not None},
+                             ("moe_infinity_site", mi_site)) if v is not None},
     })
 
     # engines that cannot run at all: say why, keep going with the others
     runnable = []
     for eng in cfg.engines:
-        why = (engines.missing_extra(eng, str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None)
+        why = (engines.missing_extra(eng, mi_site)
                or engines.check_runtime_options(eng))
         if why:
             errors.append(why)
@@ -522,7 +523,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "profile": str(cfg.profile) if cfg.profile else None,
                 "cache_dir": str(cfg.cache_dir) if cfg.cache_dir else None,
                 "deepspeed_offload": cfg.deepspeed_offload, "deepspeed_load_in_budget": cfg.deepspeed_load_in_budget,
-                "moe_infinity_site": str(cfg.moe_infinity_site) if cfg.moe_infinity_site else None,
+                "moe_infinity_site": mi_site,
             }
             from zipmoe.runtime.bench.worker import kv_allowance  # the KV cache comes on top of the budget
 
