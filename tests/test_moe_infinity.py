@@ -231,6 +231,27 @@ def test_build_script_and_patches_are_there():
     assert r.returncode != 0 and r.stderr.strip().splitlines() == ["moe_infinity_build: unknown ref 'nope': dev or main"]
 
 
+def test_build_never_replaces_a_folder_it_did_not_make(tmp_path):
+    """`build REF SITE WORK` replaces SITE and WORK/REF only when an earlier build made them: a
+    user's folder given by mistake is refused in one line and left as it was."""
+    script = Path(__file__).parents[1] / mi.BUILD
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "moe-infinity-main-d617801.tar.gz").write_bytes(b"")  # present: the checks come first
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    env = dict(os.environ, BUNDLE=str(bundle))
+    r = subprocess.run(["bash", str(script), "build", "main", str(mine), str(tmp_path / "w")], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "did not make" in r.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"
+    (tmp_path / "w" / "main").mkdir(parents=True)
+    (tmp_path / "w" / "main" / "x").write_text("keep")
+    r = subprocess.run(["bash", str(script), "build", "main", str(tmp_path / "new-site"), str(tmp_path / "w")], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode != 0 and "WORK/main" in r.stderr and (tmp_path / "w" / "main" / "x").read_text() == "keep"
+
+
 def test_report_shows_its_host_and_device_memory():
     """MoE-Infinity has no counted budget and allocates outside torch: the held column shows its
     peak RSS and the device's memory in use, not torch's allocator peak."""
