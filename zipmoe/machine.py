@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import DeviceError, UsageError
 
-__all__ = ["cores", "cpu_model", "pack_workers", "decode_workers", "torch_threads", "resolve_device"]
+__all__ = ["cores", "cpu_model", "pack_workers", "decode_workers", "torch_threads", "resolve_device", "gpu_used_bytes"]
 
 
 def cores() -> int:
@@ -84,3 +84,11 @@ def resolve_device(device) -> str:
     if not has_cuda:
         raise DeviceError(f"--device {name} was asked for, but no CUDA device is available here (use --device cpu)")
     return name
+
+
+def gpu_used_bytes(torch, index: int = 0) -> int:
+    """Device memory in use on CUDA device ``index``, every allocator's (``torch`` passed in: this
+    module does not import it). MoE-Infinity allocates outside torch's allocator, so torch's own
+    peak would not see its memory."""
+    free, total = torch.cuda.mem_get_info(index)
+    return int(total - free)

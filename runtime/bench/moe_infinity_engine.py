@@ -181,7 +181,7 @@ def load(spec: dict, info: dict):
     import torch
     from moe_infinity import MoE
 
-    from zipmoe.runtime.bench.worker import gpu_used_bytes
+    from zipmoe.machine import gpu_used_bytes
 
     total = torch.cuda.get_device_properties(0).total_memory
     ratio = max(0.001, min(0.95, int(spec["budget"]) / total))

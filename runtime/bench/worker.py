@@ -399,13 +399,6 @@ def capacity_in_experts(runtime) -> tuple[int | None, bool]:
         return None, False
 
 
-def gpu_used_bytes(torch) -> int:
-    """Device memory in use on GPU 0, every allocator's (MoE-Infinity allocates outside torch's,
-    so torch's own peak would not see it)."""
-    free, total = torch.cuda.mem_get_info(0)
-    return int(total - free)
-
-
 def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler, cold_mode: str | None) -> dict:
     """One measured generation; returns its record."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -534,6 +527,8 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         rec.update(diag.finish(gen))
     if device == "cuda":
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        from zipmoe.machine import gpu_used_bytes
+
         rec["gpu_used_bytes"] = gpu_used_bytes(torch)
     if runtime is not None and hasattr(runtime, "memory"):
         rec["memory"] = runtime.memory()  # counted (allocator rounding included) beside the allocator's figures
