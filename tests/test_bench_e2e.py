@@ -147,3 +147,29 @@ def _cgroup_children(doc):
     from pathlib import Path
 
     return [p for p in Path(parent).iterdir() if p.is_dir()]
+
+
+def test_bench_encoder_decoder_counts_the_decoder_tokens(tmp_path, capsys):
+    """SwitchTransformers (encoder-decoder): the prompt goes to the encoder once, the decoder makes
+    the new tokens after its start token; every engine's record holds exactly those tokens (the
+    teacher-forced stream), so TTFT, TPOT, tokens/s and the token check count the decoder's
+    steps (a slice by the prompt's length left none: generated 0, tokens/s 0)."""
+    from zipmoe.codecs.writer import pack
+    from zipmoe.runtime.synth.writer import write
+
+    src = tmp_path / "sw"
+    write("switch_transformers", src, "tiny", progress=False)
+    pack(src, tmp_path / "sw.zmoe")
+    out = tmp_path / "sw.json"
+    code, cap = _main_code(["bench", str(tmp_path / "sw.zmoe"), "--engine", "zipmoe", "--engine", "accelerate", "--budget", "2M",
+                            "--batch", "1", "--new-tokens", "5", "--runs", "1", "--device", "cpu", "--threads", "1",
+                            "--disk-bw", "1G", "--source", str(src), "--json", str(out), "--work-dir", str(tmp_path / "w")], capsys)
+    assert code == 0, cap.err[-2000:]
+    doc = json.loads(out.read_text())
+    runs = {d["engine"]: d["runs"][0] for d in doc["results"] if d.get("ok")}
+    assert set(runs) == {"zipmoe", "accelerate"}
+    for r in runs.values():
+        assert r["generated"] == 5 and len(r["tokens"][0]) == 5 and r["tokens_per_s"] > 0
+        assert r["distinct_tokens"] >= 2 and len(r["argmax_tokens"][0]) == 5
+    assert runs["zipmoe"]["tokens"] == runs["accelerate"]["tokens"]
+    assert runs["zipmoe"]["argmax_tokens"] == runs["accelerate"]["argmax_tokens"] and doc["token_check"]["same"]

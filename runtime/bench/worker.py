@@ -478,7 +478,10 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
                 gen = res.tokens
             else:
                 out = model.generate(ids, **gen_kw)
-                gen = out[:, ids.shape[1]:].tolist()
+                # decoder-only: the prompt, then the new tokens; encoder-decoder (SwitchTransformers):
+                # the decoder's start token, then the new tokens (the prompt went to the encoder once)
+                skip = 1 if getattr(model.config, "is_encoder_decoder", False) else ids.shape[1]
+                gen = out[:, skip:].tolist()
         if device == "cuda":
             torch.cuda.synchronize()
     except BaseException:
