@@ -364,7 +364,7 @@ def test_cli_routing_bogus_is_one_line(tmp_path, capsys):
 
 def test_layers_keeps_the_first_layers_of_a_preset_and_refuses_what_it_cannot_cut(tmp_path, capsys):
     """`--layers N`: the preset's shapes with N decoder layers (recorded in config.json); a count
-    outside 1..layers or an encoder-decoder family is one line and exit 2."""
+    outside 1..layers is one line and exit 2."""
     from zipmoe_cli.app import main
 
     r = synth.write("qwen2_moe", tmp_path / "q", preset="tiny", layout="fused", layers=1, progress=False)
@@ -377,8 +377,31 @@ def test_layers_keeps_the_first_layers_of_a_preset_and_refuses_what_it_cannot_cu
         with pytest.raises(SystemExit) as exc:
             main(["synth", "qwen2_moe", "-o", str(tmp_path / f"b{bad}"), "--layers", bad])
         assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        main(["synth", "switch_transformers", "-o", str(tmp_path / "s"), "--layers", "1"])
-    assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--layers must be between 1 and" in err and "decoder-only" in err and "Traceback" not in err
+    assert "--layers must be between 1 and" in err and "Traceback" not in err
+
+
+def test_layers_of_an_encoder_decoder_cut_both_sides_at_the_sparse_step(tmp_path, capsys):
+    """SwitchTransformers `--layers N`: N encoder and N decoder layers, the sparse ones at the
+    preset's own step (every other layer), every tensor's shape kept; a count that would move the
+    sparse layers, or leave none, is one line and exit 2."""
+    from zipmoe_cli.app import main
+
+    r = synth.write("switch_transformers", tmp_path / "s", preset="small", layers=2, progress=False)
+    cfg = json.loads((r.path / "config.json").read_text())
+    assert (cfg["num_layers"], cfg["num_decoder_layers"]) == (2, 2) and cfg["zipmoe_synth"]["layers"] == 2
+    assert (cfg["num_sparse_encoder_layers"], cfg["num_sparse_decoder_layers"]) == (1, 1)
+    assert (cfg["encoder_sparse_step"], cfg["decoder_sparse_step"]) == (2, 2)
+    full = synth.write("switch_transformers", tmp_path / "f", preset="small", progress=False).path
+    with safe_open(str(next(r.path.glob("*.safetensors"))), "pt") as f, \
+            safe_open(str(next(full.glob("*.safetensors"))), "pt") as g:
+        names = set(f.keys())
+        assert names < set(g.keys())  # the first layers of each side, with the full model's names and shapes
+        assert not any(".block.2." in k for k in names) and any(".block.1.layer.1.mlp.experts." in k for k in names)
+        assert all(f.get_slice(k).get_shape() == g.get_slice(k).get_shape() for k in names)
+    for bad, line in (("1", "--layers must be between 2"), ("3", "give a multiple of 2")):
+        with pytest.raises(SystemExit) as exc:
+            main(["synth", "switch_transformers", "--preset", "small", "-o", str(tmp_path / f"b{bad}"), "--layers", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert line in err and "Traceback" not in err

@@ -27,7 +27,7 @@ def synth(
     dist: str = typer.Option("normal", "--dist", help="Weight distribution: normal or student-t (heavier tails)."),
     experts: Optional[int] = typer.Option(None, "--experts", help="demo only: experts per layer (default 8)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="demo only: experts per token (default 2)."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N decoder layers of the preset (its real shapes, a smaller model)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Keep only the first N layers of the preset (its real shapes, a smaller model); encoder-decoder: N on each side, the sparse layers at the preset's step."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
     list_: bool = typer.Option(False, "--list", help="List families and presets with parameter counts and sizes."),
 ) -> None:

@@ -105,6 +105,29 @@ def generation_config(config, family_name: str):
     return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID)
 
 
+def _cut_encoder_decoder(fam, config, preset: str, layers: int):
+    """``--layers N`` of an encoder-decoder (SwitchTransformers): N encoder and N decoder layers,
+    every tensor's shape kept, the sparse layers at the preset's own step (every other layer for
+    the published models), so N layers hold N // step sparse layers on each side."""
+    full = min(config.num_layers, config.num_decoder_layers)
+    step_e, step_d = config.encoder_sparse_step, config.decoder_sparse_step
+    step = max(step_e, step_d, 1)
+    if not step <= layers <= full:
+        raise UsageError(f"--layers must be between {step} (one sparse layer on each side) and {full} "
+                         f"(the {preset} preset's layers), got {layers}")
+    kw = config.to_dict()
+    for k in ("encoder_sparse_step", "decoder_sparse_step", "transformers_version", "model_type", "architectures"):
+        kw.pop(k, None)
+    kw.update(num_layers=layers, num_decoder_layers=layers,
+              num_sparse_encoder_layers=layers // step_e if config.num_sparse_encoder_layers else 0,
+              num_sparse_decoder_layers=layers // step_d if config.num_sparse_decoder_layers else 0)
+    cut = type(config)(**kw)
+    if (cut.encoder_sparse_step, cut.decoder_sparse_step) != (step_e, step_d):
+        raise UsageError(f"--layers {layers}: the sparse layers of {fam.name}/{preset} would move "
+                         f"(every {step_e}/{step_d} layers); give a multiple of {step}")
+    return cut
+
+
 def write(
     family: str,
     out_dir,
@@ -153,10 +176,12 @@ def write(
     _check_output(out_dir, force)
 
     config = fam.config(preset)
-    if layers is not None:
+    if layers is not None and getattr(config, "is_encoder_decoder", False):
+        config = _cut_encoder_decoder(fam, config, preset, int(layers))
+    elif layers is not None:
         full = getattr(config, "num_hidden_layers", None)
-        if getattr(config, "is_encoder_decoder", False) or not isinstance(full, int):
-            raise UsageError(f"--layers applies to decoder-only families; {fam.name} has no num_hidden_layers to cut")
+        if not isinstance(full, int):
+            raise UsageError(f"--layers: {fam.name} has no num_hidden_layers to cut")
         if not 1 <= int(layers) <= full:
             raise UsageError(f"--layers must be between 1 and {full} (the {preset} preset's layers), got {layers}")
         config.num_hidden_layers = int(layers)
