@@ -256,6 +256,34 @@ def test_presets_and_table():
     assert abs(rows[("qwen2_moe", "qwen1.5-moe-a2.7b")]["params"] / 1e9 - 14.3) < 0.1
 
 
+# The published config.json fields of the paper's two other models (deepseek-ai/DeepSeek-V2-Lite,
+# google/switch-large-128 on the Hugging Face hub) that set a tensor's shape or the routing.
+PUBLISHED = {
+    ("deepseek_v2", "deepseek-v2-lite"): dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", routed_scaling_factor=1.0,
+        norm_topk_prob=False),
+    ("switch_transformers", "switch-large-128"): dict(
+        vocab_size=32128, d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24, num_decoder_layers=24,
+        num_sparse_encoder_layers=12, num_sparse_decoder_layers=12, num_experts=128, expert_capacity=64,
+        relative_attention_num_buckets=32, feed_forward_proj="relu", tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family,preset", sorted(PUBLISHED))
+def test_paper_presets_match_the_published_configs(family, preset):
+    """The presets the paper's figures are measured on have the published models' shapes: every
+    field above equal, and the parameter count the model cards give (15.7 B, 26 B)."""
+    fam = synth.FAMILIES[family]
+    cfg = fam.config(preset)
+    assert {k: getattr(cfg, k) for k in PUBLISHED[(family, preset)]} == PUBLISHED[(family, preset)]
+    rows = {(r["family"], r["preset"]): r for r in synth.preset_table(family)}
+    expect = {"deepseek-v2-lite": 15.7, "switch-large-128": 26.3}[preset]
+    assert abs(rows[(family, preset)]["params"] / 1e9 - expect) / expect < 0.02
+
+
 def test_real_size_plan_names_and_shards():
     """The plan of a real preset (nothing written): family names, shapes, <= 2 GB shards."""
     from zipmoe.runtime.synth.family import tensor_plan
