@@ -161,11 +161,17 @@ def test_bench_encoder_decoder_counts_the_decoder_tokens(tmp_path, capsys):
     write("switch_transformers", src, "tiny", progress=False)
     pack(src, tmp_path / "sw.zmoe")
     out = tmp_path / "sw.json"
+    import psutil
+
+    leave = psutil.virtual_memory().available - (768 << 20)  # and under --pressure: 768 MiB occupied while the engines run
     code, cap = _main_code(["bench", str(tmp_path / "sw.zmoe"), "--engine", "zipmoe", "--engine", "accelerate", "--budget", "2M",
                             "--batch", "1", "--new-tokens", "5", "--runs", "1", "--device", "cpu", "--threads", "1",
-                            "--disk-bw", "1G", "--source", str(src), "--json", str(out), "--work-dir", str(tmp_path / "w")], capsys)
+                            "--disk-bw", "1G", "--source", str(src), "--json", str(out), "--work-dir", str(tmp_path / "w"),
+                            "--pressure", str(leave)], capsys)
     assert code == 0, cap.err[-2000:]
     doc = json.loads(out.read_text())
+    assert doc["pressure"]["held_to_the_end"] and doc["pressure"]["occupied_bytes"] > (256 << 20)
+    assert not psutil.pid_exists(doc["pressure"]["pid"]) or psutil.Process(doc["pressure"]["pid"]).status() == psutil.STATUS_ZOMBIE
     runs = {d["engine"]: d["runs"][0] for d in doc["results"] if d.get("ok")}
     assert set(runs) == {"zipmoe", "accelerate"}
     for r in runs.values():

@@ -3,7 +3,7 @@ JSON document, keeping the cases the new run did not measure and why earlier one
 
 from __future__ import annotations
 
-__all__ = ["merge_runs", "case_key"]
+__all__ = ["merge_runs", "case_key", "combine"]
 
 
 def merge_runs(new: dict, old: dict) -> dict:
@@ -28,3 +28,25 @@ def case_key(case_id: str) -> tuple:
         return int(b[1:]), int(n[1:])
     except ValueError:
         return (None, None)
+
+
+def combine(docs: list[dict]) -> dict:
+    """Several bench documents of one model (sittings, stages) as one, in the given order: a later
+    document's engine/budget result goes over an earlier one as ``--merge`` would put it (its
+    cases replace the same cases, the others kept); errors and configs are kept from all. The
+    caller recomputes the summary (``run.finalize``)."""
+    import copy
+
+    out = copy.deepcopy(docs[0])
+    for d in docs[1:]:
+        for res in d.get("results") or []:
+            key = (res.get("engine"), res.get("budget"))
+            res = copy.deepcopy(res)
+            for old in [r for r in out["results"] if (r.get("engine"), r.get("budget")) == key]:
+                merge_runs(res, old)
+            out["results"] = [r for r in out["results"] if (r.get("engine"), r.get("budget")) != key] + [res]
+        out["errors"] = list(out.get("errors") or []) + list(d.get("errors") or [])
+        out["configs"] = list(out.get("configs") or []) + list(d.get("configs") or [])
+        if d.get("disk_bw"):
+            out.setdefault("disk_bw", d["disk_bw"])
+    return out

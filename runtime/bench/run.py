@@ -78,6 +78,7 @@ class BenchConfig:
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
     moe_infinity_site: Path | None = None  # the moe-infinity engine's own Python folder (benchmarks/moe_infinity_build.sh)
     engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
+    pressure: int | None = None  # --pressure: host memory left available, the rest occupied while engines run (pressure.py)
     # the zipmoe engines' zipmoe.load overrides (None: the engine's default; zipmoe-noprefetch turns prefetch off anyway)
     readers: int | None = None
     prefetch: bool | None = None
@@ -503,6 +504,12 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     total = len(pairs) * len(cases) * cfg.runs
     prog = progress_factory(total) if progress_factory else None
     new_results = []
+    ballast = None
+    if cfg.pressure and pairs:  # the paper's memory-pressure case: the page cache kept small (pressure.py)
+        from zipmoe.runtime.bench.pressure import Ballast
+
+        ballast = Ballast(cfg.pressure, log).__enter__()
+        doc["pressure"] = ballast.record
     _write_json(cfg.json_path, finalize(doc))
     try:
         for eng, budget in pairs:
@@ -561,6 +568,9 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     finally:
         if prog:
             prog.close()
+        if ballast is not None:
+            ballast.__exit__(None, None, None)
+            doc["pressure"] = ballast.record
         doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         _write_json(cfg.json_path, finalize(doc))
         if tmp_tok is not None:

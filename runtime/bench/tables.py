@@ -32,6 +32,7 @@ from zipmoe.errors import UsageError
 from zipmoe.runtime.bench.merge import case_key
 
 SCHEMA = "zipmoe-bench-tables/1"
+MULTI_SCHEMA = "zipmoe-bench-tables-models/1"  # several models: {"schema", "models": [one SCHEMA document each]}
 ORDER = ("zipmoe", "zipmoe-default", "zipmoe-noprefetch", "zipmoe-pools", "zipmoe-basic", "uncompressed", "accelerate", "deepspeed", "llama.cpp", "moe-infinity", "resident")
 ABLATION = (("zipmoe-basic", "basic"), ("zipmoe-pools", "+pools"), ("zipmoe-noprefetch", "+planning"),
             ("zipmoe", "+prefetch"))
@@ -164,7 +165,11 @@ def build(doc: dict) -> dict:
         for bud in ([None] if e == "resident" else budgets):
             lat.append({"engine": e, "budget": bud,
                         "ttft_s": _cell(status, rows, e, bud, (bt, nt), "ttft_s"), "tpot_s": _cell(status, rows, e, bud, (bt, nt), "tpot_s")})
-    tables["latency"] = {"title": f"TTFT and TPOT (batch {bt}, {nt} new tokens)", "batch": bt, "new_tokens": nt, "rows": lat}
+    encdec = _encoder_decoder(doc)
+    kind = ("encoder-decoder: TTFT is the encoder's pass over the prompt and the first decoder step, TPOT a decoder step"
+            if encdec else "decoder-only")
+    tables["latency"] = {"title": f"TTFT and TPOT (batch {bt}, {nt} new tokens; {kind})", "batch": bt, "new_tokens": nt, "rows": lat,
+                         "encoder_decoder": encdec}
 
     # throughput by batch
     batches = sorted({b for b, _ in cases})
@@ -214,6 +219,83 @@ def build(doc: dict) -> dict:
             "machine": doc.get("machine"), "tables": tables, "notes": notes}
 
 
+def _encoder_decoder(doc: dict) -> bool:
+    model = doc.get("model") or {}
+    return model.get("model_type") == "switch_transformers" or "ConditionalGeneration" in str(model.get("architecture") or "")
+
+
+def _model_name(doc: dict) -> str:
+    """The model the tables are of: the synth preset and its layer cut where recorded, else the
+    container's file name."""
+    model = doc.get("model") or {}
+    name = Path(str(doc.get("container") or "?")).stem
+    bits = [b for b in (model.get("model_type"), f"{model.get('num_layers')} layers" if model.get("num_layers") else None) if b]
+    return f"{name} ({', '.join(bits)})" if bits else name
+
+
+def pressure_table(normal: dict | None, pressed: dict) -> dict:
+    """The memory-pressure case (``bench --pressure``): each engine and budget's TPOT and TTFT
+    without and with the host's memory occupied, at the case both measured (batch 1 where
+    there, the most new tokens), and the slow-down under pressure."""
+    p_rows = _index(pressed.get("summary") or [])
+    n_rows = _index((normal or {}).get("summary") or [])
+    st_p, st_n = _status(pressed), _status(normal or {})
+    rec = pressed.get("pressure") or {}
+    out = []
+    for (e, bud) in sorted({(k[0], k[1]) for k in p_rows} | {(k[0], k[1]) for k in st_p if k[0]},
+                           key=lambda k: (_order(k[0]), k[1] or 0)):
+        mine = sorted((k[2], k[3]) for k in p_rows if k[:2] == (e, bud))
+        both = [c for c in mine if (e, bud) + c in n_rows]
+        b1 = [c for c in (both or mine) if c[0] == 1] or (both or mine)
+        case = max(b1, key=lambda c: c[1]) if b1 else (1, 0)
+        cells = {"tpot_s": _cell(st_n, n_rows, e, bud, case, "tpot_s"), "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"),
+                 "ttft_s": _cell(st_n, n_rows, e, bud, case, "ttft_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
+        a, b = cells["tpot_s"]["value"], cells["tpot_pressure_s"]["value"]
+        out.append({"engine": e, "budget": bud, "batch": case[0], "new_tokens": case[1], **cells,
+                    "slowdown": (b / a) if (a and b) else None})
+    left = rec.get("leave_bytes")
+    title = ("memory pressure: TPOT without and with the host's memory occupied"
+             + (f" ({_fmt_budget(rec.get('occupied_bytes'))} occupied, {_fmt_budget(left)} left available)" if left else ""))
+    notes = []
+    if rec and rec.get("held_to_the_end") is False:
+        notes.append("the ballast ended before the last engine finished (the OOM killer?): later runs were not under pressure")
+    if rec.get("swap_bytes"):
+        notes.append(f"the host has {_fmt_budget(rec['swap_bytes'])} of swap: the occupied memory could be paged out"
+                     + ("" if rec.get("mlocked") else " (mlock was refused)"))
+    return {"title": title, "pressure": rec, "rows": out, "notes": notes}
+
+
+def build_all(docs: list[dict]) -> dict:
+    """The tables of several bench documents: grouped by model (container id), the documents
+    of one model combined in order (merge.combine), those measured under ``--pressure`` kept
+    apart as that model's memory-pressure table. One model: :func:`build`'s document (with
+    ``tables.pressure`` when there); several: ``{"schema": MULTI_SCHEMA, "models": [...]}``."""
+    from zipmoe.runtime.bench.merge import combine
+    from zipmoe.runtime.bench.run import finalize
+
+    groups: dict = {}
+    for d in docs:
+        key = d.get("container_id") or d.get("container")
+        groups.setdefault(key, {"main": [], "pressure": []})["pressure" if d.get("pressure") else "main"].append(d)
+    models = []
+    for g in groups.values():
+        main = finalize(combine(g["main"])) if g["main"] else None
+        pressed = finalize(combine(g["pressure"])) if g["pressure"] else None
+        t = build(main if main is not None else pressed)
+        t["name"] = _model_name(main if main is not None else pressed)
+        if pressed is not None:
+            t["tables"]["pressure"] = pressure_table(main, pressed)
+            t["notes"] = list(t.get("notes") or []) + t["tables"]["pressure"]["notes"]
+        models.append(t)
+    if len(models) == 1:
+        return models[0]
+    return {"schema": MULTI_SCHEMA, "models": models}
+
+
+def _models(tables: dict) -> list[dict]:
+    return tables["models"] if tables.get("schema") == MULTI_SCHEMA else [tables]
+
+
 def _prefetch_on(doc: dict) -> bool:
     """Whether zipmoe's runs had prefetch across layers on (the runtime's describe(), recorded at
     load); True when unknown (older documents)."""
@@ -251,62 +333,90 @@ def _text(c: dict, fmt) -> str:
     return s
 
 
+def grids(model: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """One model's tables as (title, headers, rows of text): what the console and the markdown
+    show alike."""
+    T = model["tables"]
+    out = []
+    lat = T["latency"]
+    out.append((lat["title"], ["engine", "budget", "TTFT", "TPOT"],
+                [[r["engine"], _fmt_budget(r["budget"]), _text(r["ttft_s"], _fmt_s), _text(r["tpot_s"], _fmt_s)] for r in lat["rows"]]))
+    thr = T["throughput"]
+    out.append((thr["title"], ["engine", "budget"] + [f"batch {b}" for b in thr["batches"]],
+                [[r["engine"], _fmt_budget(r["budget"])] + [_text(r["by_batch"][str(b)], lambda v: f"{v:.2f}") for b in thr["batches"]]
+                 for r in thr["rows"]]))
+    e2e = T["e2e"]
+    out.append((e2e["title"], ["engine", "budget"] + [f"{n} tokens" for n in e2e["new_tokens"]],
+                [[r["engine"], _fmt_budget(r["budget"])] + [_text(r["by_new_tokens"][str(n)], _fmt_s) for n in e2e["new_tokens"]]
+                 for r in e2e["rows"]]))
+    abl = T["ablation"]
+    out.append((abl["title"], ["budget", "variant", "TPOT", "speed-up over basic"],
+                [[_fmt_budget(r["budget"]), r["variant"], _text(r["tpot_s"], _fmt_s),
+                  "–" if r["speedup_over_basic"] is None else f"{r['speedup_over_basic']:.2f}x"] for r in abl["rows"]]))
+    if T.get("pressure"):
+        pr = T["pressure"]
+        out.append((pr["title"], ["engine", "budget", "case", "TPOT", "TPOT under pressure", "slow-down", "TTFT", "TTFT under pressure"],
+                    [[r["engine"], _fmt_budget(r["budget"]), f"b{r['batch']} n{r['new_tokens']}", _text(r["tpot_s"], _fmt_s),
+                      _text(r["tpot_pressure_s"], _fmt_s), "–" if r["slowdown"] is None else f"{r['slowdown']:.2f}x",
+                      _text(r["ttft_s"], _fmt_s), _text(r["ttft_pressure_s"], _fmt_s)] for r in pr["rows"]]))
+    agr = T["agreement"]
+    out.append((agr["title"], ["engine", "budget", "agreement", "positions", "first difference at"],
+                [[r["engine"], _fmt_budget(r["budget"]), "–" if r["agreement"] is None else f"{100 * r['agreement']:.1f}%", str(r["positions"]),
+                  "none" if r["first_difference_at"] is None else f"token {r['first_difference_at']}"] for r in agr["rows"]]))
+    return out
+
+
+def _footnotes(model: dict) -> list[str]:
+    notes = list(model.get("notes") or [])
+    T = model["tables"]
+    if any(c.get("stopped_by_time_limit") for r in T["latency"]["rows"] for c in (r["ttft_s"], r["tpot_s"])):
+        notes.append("* stopped by --time-limit before all new tokens were made (figures are per token)")
+    return notes
+
+
 def render(tables: dict, console) -> None:
     from rich.table import Table
 
-    T = tables["tables"]
-    lat = T["latency"]
-    t = Table(title=lat["title"], pad_edge=False)
-    for col in ("engine", "budget", "TTFT", "TPOT"):
-        t.add_column(col, justify="left" if col == "engine" else "right", overflow="fold")
-    for r in lat["rows"]:
-        t.add_row(r["engine"], _fmt_budget(r["budget"]), _text(r["ttft_s"], _fmt_s), _text(r["tpot_s"], _fmt_s))
-    console.print(t)
+    several = tables.get("schema") == MULTI_SCHEMA
+    for model in _models(tables):
+        if several:
+            console.print(f"\n{model.get('name') or model.get('container')}", style="bold", markup=False)
+        for title, head, rows in grids(model):
+            t = Table(title=title, pad_edge=False)
+            for i, col in enumerate(head):
+                t.add_column(col, justify="left" if i == 0 or col in ("engine", "variant") else "right", overflow="fold")
+            for r in rows:
+                t.add_row(*r)
+            console.print(t)
+        for n in _footnotes(model):
+            console.print(f"  {n}", style="dim", markup=False)
 
-    thr = T["throughput"]
-    t = Table(title=thr["title"], pad_edge=False)
-    t.add_column("engine")
-    t.add_column("budget", justify="right")
-    for b in thr["batches"]:
-        t.add_column(f"batch {b}", justify="right", overflow="fold")
-    for r in thr["rows"]:
-        t.add_row(r["engine"], _fmt_budget(r["budget"]), *[_text(r["by_batch"][str(b)], lambda v: f"{v:.2f}") for b in thr["batches"]])
-    console.print(t)
 
-    e2e = T["e2e"]
-    t = Table(title=e2e["title"], pad_edge=False)
-    t.add_column("engine")
-    t.add_column("budget", justify="right")
-    for n in e2e["new_tokens"]:
-        t.add_column(f"{n} tokens", justify="right", overflow="fold")
-    for r in e2e["rows"]:
-        t.add_row(r["engine"], _fmt_budget(r["budget"]), *[_text(r["by_new_tokens"][str(n)], _fmt_s) for n in e2e["new_tokens"]])
-    console.print(t)
+def markdown(tables: dict) -> str:
+    """Every model's tables as markdown (a heading per model, a bold title per table), as
+    docs/benchmarks.md quotes them."""
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|")
 
-    abl = T["ablation"]
-    t = Table(title=abl["title"], pad_edge=False)
-    for col in ("budget", "variant", "TPOT", "speed-up over basic"):
-        t.add_column(col, justify="right" if col != "variant" else "left", overflow="fold")
-    for r in abl["rows"]:
-        t.add_row(_fmt_budget(r["budget"]), r["variant"], _text(r["tpot_s"], _fmt_s), "–" if r["speedup_over_basic"] is None else f"{r['speedup_over_basic']:.2f}x")
-    console.print(t)
-
-    agr = T["agreement"]
-    t = Table(title=agr["title"], pad_edge=False)
-    for col in ("engine", "budget", "agreement", "positions", "first difference at"):
-        t.add_column(col, justify="left" if col == "engine" else "right")
-    for r in agr["rows"]:
-        t.add_row(r["engine"], _fmt_budget(r["budget"]), "–" if r["agreement"] is None else f"{100 * r['agreement']:.1f}%", str(r["positions"]),
-                  "none" if r["first_difference_at"] is None else f"token {r['first_difference_at']}")
-    console.print(t)
-    for n in tables.get("notes") or []:
-        console.print(f"  {n}", style="dim", markup=False)
-    if any(c.get("stopped_by_time_limit") for r in T["latency"]["rows"] for c in (r["ttft_s"], r["tpot_s"])):
-        console.print("  * stopped by --time-limit before all new tokens were made (figures are per token)", style="dim", markup=False)
+    lines = []
+    for model in _models(tables):
+        lines += [f"### {model.get('name') or model.get('container')}", ""]
+        mach = model.get("machine") or {}
+        where = ", ".join(str(x) for x in (mach.get("gpu") or mach.get("cpu"), model.get("device")) if x)
+        if where:
+            lines += [f"Measured on {where}.", ""]
+        for title, head, rows in grids(model):
+            lines += [f"**{cell(title)}**", "", "| " + " | ".join(cell(h) for h in head) + " |",
+                      "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+            lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+            lines.append("")
+        lines += [f"- {cell(n)}" for n in _footnotes(model)]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def plot(tables: dict, path) -> str:
-    """Four panels: TPOT by engine and budget, throughput by batch, e2e by length, ablation."""
+    """Four panels per model (a row each): TPOT by engine and budget, throughput by batch, e2e by length, ablation."""
     try:
         import matplotlib
 
@@ -314,48 +424,60 @@ def plot(tables: dict, path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--paper-plot needs matplotlib: pip install 'zipmoe[bench]'") from None
-    T = tables["tables"]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
-    ax = axes[0]
-    rows = [r for r in T["latency"]["rows"]]
-    labels = [f"{r['engine']}\n{_fmt_budget(r['budget'])}" for r in rows]
-    vals = [r["tpot_s"]["value"] or 0 for r in rows]
-    bars = ax.bar(range(len(rows)), vals, color=["C0" if r["tpot_s"]["value"] else "lightgrey" for r in rows])
-    for i, r in enumerate(rows):
-        if r["tpot_s"]["value"] is None:
-            ax.text(i, 0.02, r["tpot_s"]["text"], rotation=90, ha="center", va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
-        elif r["tpot_s"].get("flag"):
-            bars[i].set_hatch("//")
-    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60)
-    ax.set_yscale("log")
-    ax.set_ylabel("TPOT (s)")
-    ax.set_title(T["latency"]["title"], fontsize=9)
-    for ax, key, sub, xl, yl in ((axes[1], "throughput", "by_batch", "batch", "tokens/s"), (axes[2], "e2e", "by_new_tokens", "new tokens", "end-to-end (s)")):
-        xs = T[key]["batches"] if key == "throughput" else T[key]["new_tokens"]
-        for r in T[key]["rows"]:
-            pts = [(x, r[sub][str(x)]["value"]) for x in xs if r[sub][str(x)]["value"] is not None]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{r['engine']} {_fmt_budget(r['budget'])}")
-        ax.set_xscale("log", base=2)
+    models = _models(tables)
+    fig, grid = plt.subplots(len(models), 4, figsize=(22, 4.5 * len(models)), squeeze=False)
+    for axes, model in zip(grid, models):
+        T = model["tables"]
+        ax = axes[0]
+        rows = [r for r in T["latency"]["rows"]]
+        labels = [f"{r['engine']}\n{_fmt_budget(r['budget'])}" for r in rows]
+        vals = [r["tpot_s"]["value"] or 0 for r in rows]
+        bars = ax.bar(range(len(rows)), vals, color=["C0" if r["tpot_s"]["value"] else "lightgrey" for r in rows])
+        for i, r in enumerate(rows):
+            if r["tpot_s"]["value"] is None:
+                ax.text(i, 0.02, r["tpot_s"]["text"], rotation=90, ha="center", va="bottom", fontsize=7, transform=ax.get_xaxis_transform())
+            elif r["tpot_s"].get("flag"):
+                bars[i].set_hatch("//")
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=60)
         ax.set_yscale("log")
-        ax.set_xlabel(xl)
-        ax.set_ylabel(yl)
-        ax.set_title(T[key]["title"], fontsize=9)
-        ax.legend(fontsize=6)
-    ax = axes[3]
-    ab = T["ablation"]["rows"]
-    ax.bar(range(len(ab)), [r["tpot_s"]["value"] or 0 for r in ab], color=["C1", "C2", "C3"] * (len(ab) // 3 + 1))
-    ax.set_xticks(range(len(ab)), [f"{r['variant']}\n{_fmt_budget(r['budget'])}" for r in ab], fontsize=7)
-    ax.set_ylabel("TPOT (s)")
-    ax.set_title(T["ablation"]["title"], fontsize=9)
+        ax.set_ylabel("TPOT (s)")
+        ax.set_title(T["latency"]["title"], fontsize=9)
+        for ax, key, sub, xl, yl in ((axes[1], "throughput", "by_batch", "batch", "tokens/s"), (axes[2], "e2e", "by_new_tokens", "new tokens", "end-to-end (s)")):
+            xs = T[key]["batches"] if key == "throughput" else T[key]["new_tokens"]
+            for r in T[key]["rows"]:
+                pts = [(x, r[sub][str(x)]["value"]) for x in xs if r[sub][str(x)]["value"] is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{r['engine']} {_fmt_budget(r['budget'])}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(xl)
+            ax.set_ylabel(yl)
+            ax.set_title(T[key]["title"], fontsize=9)
+            ax.legend(fontsize=6)
+        ax = axes[3]
+        ab = T["ablation"]["rows"]
+        ax.bar(range(len(ab)), [r["tpot_s"]["value"] or 0 for r in ab], color=["C1", "C2", "C3"] * (len(ab) // 3 + 1))
+        ax.set_xticks(range(len(ab)), [f"{r['variant']}\n{_fmt_budget(r['budget'])}" for r in ab], fontsize=7)
+        ax.set_ylabel("TPOT (s)")
+        ax.set_title(T["ablation"]["title"], fontsize=9)
+        if len(models) > 1:
+            axes[0].set_title(f"{model.get('name')}\n{T['latency']['title']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(str(path), dpi=110)
     plt.close(fig)
     return str(path)
 
 
-def emit(doc: dict, show: bool = True, json_path=None, plot_path=None, console=None) -> dict:
-    tables = build(doc)
+def emit(doc: dict, show: bool = True, json_path=None, plot_path=None, console=None, md_path=None) -> dict:
+    return _emit(build(doc), show, json_path, plot_path, console, md_path)
+
+
+def emit_all(docs: list[dict], show: bool = True, json_path=None, plot_path=None, console=None, md_path=None) -> dict:
+    """The tables of one or several bench documents (:func:`build_all`)."""
+    return _emit(build_all(docs), show, json_path, plot_path, console, md_path)
+
+
+def _emit(tables: dict, show, json_path, plot_path, console, md_path) -> dict:
     if show:
         if console is None:
             import sys
@@ -368,6 +490,10 @@ def emit(doc: dict, show: bool = True, json_path=None, plot_path=None, console=N
         p = Path(json_path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(tables, indent=1))
+    if md_path is not None:
+        p = Path(md_path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(markdown(tables))
     if plot_path is not None:
         plot(tables, plot_path)
     return tables

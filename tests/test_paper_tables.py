@@ -1,0 +1,108 @@
+"""The paper's tables over several models and the memory-pressure case: `zipmoe bench --report A
+--report B --paper-md/--paper-json`, `--pressure SIZE` (runtime/bench/pressure.py, tables.py)."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from zipmoe.errors import UsageError
+from zipmoe.runtime.bench import report, tables
+from zipmoe.runtime.bench.pressure import Ballast
+
+M = 400 << 20
+
+
+def _run(engine, tpot, n=8, batch=1, budget=M, ttft=0.5):
+    return {"engine": engine, "budget": budget, "batch": batch, "new_tokens": n, "generated": n, "case": f"b{batch}-n{n}",
+            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + tpot * (n - 1), "tokens_per_s": batch * n / (ttft + tpot * (n - 1)),
+            "tokens": [[1] * n] * batch}
+
+
+def _doc(cid, runs, model_type="qwen2_moe", pressure=None, container="m.zmoe"):
+    results = {}
+    for r in runs:
+        results.setdefault((r["engine"], r["budget"]), {"engine": r["engine"], "budget": r["budget"], "ok": True, "runs": []})["runs"].append(r)
+    doc = {"schema": "zipmoe-bench/1", "container": container, "container_id": cid, "results": list(results.values()), "errors": [],
+           "configs": [{"engines": sorted({r["engine"] for r in runs}), "budgets": [M]}],
+           "model": {"model_type": model_type, "num_layers": 4}, "machine": {"gpu": "NVIDIA H200"}, "device": "cuda"}
+    if pressure:
+        doc["pressure"] = pressure
+    doc["summary"] = report.summarize(runs, None)
+    return doc
+
+
+def test_several_models_and_their_pressure_runs_in_one_set_of_tables():
+    """Documents are grouped by container: two of one model combine (the later case over the
+    earlier, other cases kept), its --pressure document becomes its memory-pressure table, the
+    encoder-decoder says what TTFT and TPOT mean there."""
+    a1 = _doc("A", [_run("zipmoe", 0.2), _run("accelerate", 2.0)], container="ds.zmoe")
+    a2 = _doc("A", [_run("zipmoe", 0.1), _run("zipmoe", 0.3, batch=4)], container="ds.zmoe")  # a later sitting
+    ap = _doc("A", [_run("zipmoe", 0.12), _run("accelerate", 5.0)], container="ds.zmoe",
+              pressure={"leave_bytes": 8 << 30, "occupied_bytes": 100 << 30, "held_to_the_end": True, "swap_bytes": 0})
+    b = _doc("B", [_run("zipmoe", 0.05)], model_type="switch_transformers", container="sw.zmoe")
+    t = tables.build_all([a1, a2, ap, b])
+    assert t["schema"] == tables.MULTI_SCHEMA and [m["name"].split()[0] for m in t["models"]] == ["ds", "sw"]
+    ds, sw = t["models"]
+    lat = {r["engine"]: r for r in ds["tables"]["latency"]["rows"]}
+    assert lat["zipmoe"]["tpot_s"]["value"] == pytest.approx(0.1)  # the later sitting's
+    assert lat["accelerate"]["tpot_s"]["value"] == pytest.approx(2.0)  # kept from the first
+    assert ds["tables"]["throughput"]["batches"] == [1, 4]
+    pr = {r["engine"]: r for r in ds["tables"]["pressure"]["rows"]}
+    assert pr["accelerate"]["slowdown"] == pytest.approx(2.5) and pr["zipmoe"]["slowdown"] == pytest.approx(1.2)
+    assert "100 G occupied" in ds["tables"]["pressure"]["title"]
+    assert "pressure" not in sw["tables"] and sw["tables"]["latency"]["encoder_decoder"]
+    assert "encoder" in sw["tables"]["latency"]["title"] and "decoder-only" in ds["tables"]["latency"]["title"]
+    md = tables.markdown(t)
+    assert md.count("### ") == 2 and "memory pressure" in md and "| accelerate | 400 M | b1 n8 | 2.00 s | 5.00 s | 2.50x |" in md
+    assert json.loads(json.dumps(t))["models"][1]["name"].startswith("sw")
+    one = tables.build_all([b])  # one model: the single-model document, as before
+    assert one["schema"] == tables.SCHEMA
+
+
+def test_a_ballast_that_died_is_a_note():
+    a = _doc("A", [_run("zipmoe", 0.1)])
+    ap = _doc("A", [_run("zipmoe", 0.1)], pressure={"leave_bytes": 1 << 30, "held_to_the_end": False, "swap_bytes": 4 << 30})
+    t = tables.build_all([a, ap])
+    assert any("not under pressure" in n for n in t["notes"]) and any("swap" in n for n in t["notes"])
+
+
+def test_ballast_occupies_the_memory_and_lets_it_go():
+    avail = psutil.virtual_memory().available
+    want = 192 << 20
+    with Ballast(avail - want, log=lambda *_: None) as b:
+        assert b.alive()
+        rss = psutil.Process(b.record["pid"]).memory_info().rss
+        assert rss >= 0.9 * b.record["occupied_bytes"]  # every page written, so held
+        assert abs(b.record["occupied_bytes"] - want) < (64 << 20)
+    assert not b.alive() and b.record["held_to_the_end"] is True
+    with pytest.raises(UsageError, match="available now"):
+        Ballast(avail + (8 << 30)).__enter__()
+    with pytest.raises(UsageError, match="leave at least"):
+        Ballast(1 << 20).__enter__()
+
+
+def test_cli_several_reports_need_a_paper_output(tmp_path, capsys):
+    from zipmoe_cli.app import main
+
+    paths = []
+    for cid in ("A", "B"):
+        d = _doc(cid, [_run("zipmoe", 0.1)], container=f"{cid}.zmoe")
+        p = tmp_path / f"{cid}.json"
+        p.write_text(json.dumps(d))
+        paths.append(p)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--report", str(paths[0]), "--report", str(paths[1])])
+    assert exc.value.code == 2 and "--paper" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--report", str(paths[0]), "--report", str(paths[1]), "--paper-md", str(tmp_path / "t.md"),
+              "--paper-json", str(tmp_path / "t.json")])
+    assert exc.value.code in (0, None)
+    assert (tmp_path / "t.md").read_text().count("### ") == 2
+    assert json.loads((tmp_path / "t.json").read_text())["schema"] == tables.MULTI_SCHEMA
+    for size, line in (("1K", "leave at least"), ("100000G", "available now")):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", str(tmp_path / "x.zmoe"), "--budget", "1M", "--pressure", size])
+        assert exc.value.code == 2 and line in capsys.readouterr().err
