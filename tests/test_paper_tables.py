@@ -43,13 +43,17 @@ def test_several_models_and_their_pressure_runs_in_one_set_of_tables():
     ap = _doc("A", [_run("zipmoe", 0.12), _run("accelerate", 5.0)], container="ds.zmoe",
               pressure={"leave_bytes": 8 << 30, "occupied_bytes": 100 << 30, "held_to_the_end": True, "swap_bytes": 0})
     b = _doc("B", [_run("zipmoe", 0.05)], model_type="switch_transformers", container="sw.zmoe")
-    t = tables.build_all([a1, a2, ap, b])
+    al = _doc("A", [_run("llama.cpp", 0.9)], container="ds.zmoe")
+    al["device"] = "cpu"  # llama.cpp's CPU build beside the GPU engines
+    t = tables.build_all([a1, a2, al, ap, b])
     assert t["schema"] == tables.MULTI_SCHEMA and [m["name"].split()[0] for m in t["models"]] == ["ds", "sw"]
     ds, sw = t["models"]
     lat = {r["engine"]: r for r in ds["tables"]["latency"]["rows"]}
     assert lat["zipmoe"]["tpot_s"]["value"] == pytest.approx(0.1)  # the later sitting's
     assert lat["accelerate"]["tpot_s"]["value"] == pytest.approx(2.0)  # kept from the first
     assert ds["tables"]["throughput"]["batches"] == [1, 4]
+    assert lat["llama.cpp"]["tpot_s"]["value"] == pytest.approx(0.9)
+    assert any(n.startswith("llama.cpp: measured with --device cpu (the other engines: cuda)") for n in ds["notes"])
     pr = {r["engine"]: r for r in ds["tables"]["pressure"]["rows"]}
     assert pr["accelerate"]["slowdown"] == pytest.approx(2.5) and pr["zipmoe"]["slowdown"] == pytest.approx(1.2)
     assert "100 G occupied" in ds["tables"]["pressure"]["title"]

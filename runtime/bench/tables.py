@@ -283,6 +283,11 @@ def build_all(docs: list[dict]) -> dict:
         pressed = finalize(combine(g["pressure"])) if g["pressure"] else None
         t = build(main if main is not None else pressed)
         t["name"] = _model_name(main if main is not None else pressed)
+        first = (g["main"] or g["pressure"])[0].get("device")
+        for d in g["main"][1:]:  # e.g. llama.cpp's CPU build beside the GPU engines
+            if d.get("device") != first:
+                names = ", ".join(sorted({r.get("engine") for r in d.get("results") or []}))
+                t["notes"] = list(t.get("notes") or []) + [f"{names}: measured with --device {d.get('device')} (the other engines: {first})"]
         if pressed is not None:
             t["tables"]["pressure"] = pressure_table(main, pressed)
             t["notes"] = list(t.get("notes") or []) + t["tables"]["pressure"]["notes"]
