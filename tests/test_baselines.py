@@ -1,19 +1,16 @@
-"""The bench's baselines without running their engines: missing packages name the extra, the
-bf16 GGUF conversion is lossless (and fails with one line), DeepSpeed's config follows the
-budget, the paper's tables say why a cell is empty, llama.cpp's tokens are a figure."""
+"""The bench's baselines without running their engines: missing packages name the extra,
+DeepSpeed's config follows the budget, the paper's tables say why a cell is empty, llama.cpp's
+tokens are a figure (its GGUF conversion: tests/test_llamacpp_convert.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 
-import numpy as np
 import pytest
-import torch
 
 from zipmoe.errors import BudgetError, UsageError
-from zipmoe.runtime.bench import deepspeed_engine, engines, gguf as bench_gguf, moe_infinity_engine, report, tables
+from zipmoe.runtime.bench import deepspeed_engine, engines, moe_infinity_engine, report, tables
 
 
 @pytest.fixture(scope="module")
@@ -48,120 +45,7 @@ def test_baselines_are_selectable_and_in_the_extra():
     assert not any(x.startswith("moe-infinity") for x in extra)  # its PyPI package is an empty placeholder
 
 
-# ----------------------------------------------------------------------------- GGUF
-
-
-def _gguf_tensors(path):
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
-    return r, {t.name: t for t in r.tensors}
-
-
-def test_gguf_conversion_is_bit_exact(mixtral, tmp_path):
-    from safetensors.torch import load_file
-
-    src = mixtral / "mx"
-    out = bench_gguf.convert(src, tmp_path / "m.gguf")
-    cfg = json.loads((src / "config.json").read_text())
-    sd = load_file(str(src / "model.safetensors"))
-    r, t = _gguf_tensors(out)
-    arch = r.fields["general.architecture"]
-    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
-
-    def bf16(name):
-        x = t[name]
-        assert x.tensor_type.name == "BF16"
-        return torch.from_numpy(np.ascontiguousarray(x.data).view(np.int16).copy()).view(torch.bfloat16)
-
-    E, L = cfg["num_local_experts"], cfg["num_hidden_layers"]
-    assert torch.equal(bf16("token_embd.weight").reshape(sd["model.embed_tokens.weight"].shape), sd["model.embed_tokens.weight"])
-    for layer in range(L):
-        p = f"model.layers.{layer}."
-        gate = torch.stack([sd[p + f"block_sparse_moe.experts.{e}.w1.weight"] for e in range(E)])
-        down = torch.stack([sd[p + f"block_sparse_moe.experts.{e}.w2.weight"] for e in range(E)])
-        assert torch.equal(bf16(f"blk.{layer}.ffn_gate_exps.weight").reshape(gate.shape), gate)
-        assert torch.equal(bf16(f"blk.{layer}.ffn_down_exps.weight").reshape(down.shape), down)
-        q = sd[p + "self_attn.q_proj.weight"]
-        gq = bf16(f"blk.{layer}.attn_q.weight").reshape(q.shape)
-        assert torch.equal(gq, bench_gguf.permute_rows(q, cfg["num_attention_heads"]))  # llama.cpp's rotary layout
-        assert torch.equal(gq.view(torch.int16).sort(0).values, q.view(torch.int16).sort(0).values)  # same rows, reordered
-        norm = np.asarray(t[f"blk.{layer}.attn_norm.weight"].data)
-        assert t[f"blk.{layer}.attn_norm.weight"].tensor_type.name == "F32"
-        assert torch.equal(torch.from_numpy(norm.copy()).to(torch.bfloat16), sd[p + "input_layernorm.weight"])
-    tokens = r.fields["tokenizer.ggml.tokens"]
-    assert len(tokens.data) == cfg["vocab_size"]
-    # the fused checkpoint of the same weights gives the same tensors
-    out2 = bench_gguf.convert(mixtral / "mxf", tmp_path / "f.gguf")
-    _, t2 = _gguf_tensors(out2)
-    assert set(t2) == set(t)
-    for name in t:
-        assert np.array_equal(np.asarray(t[name].data), np.asarray(t2[name].data)), name
-
-
-def test_gguf_prepare_reuses_and_checks_given_file(mixtral, tmp_path):
-    logs = []
-    a = bench_gguf.prepare(mixtral / "mx", tmp_path, None, logs.append)
-    mtime = a.stat().st_mtime_ns
-    b = bench_gguf.prepare(mixtral / "mx", tmp_path, None, logs.append)
-    assert a == b and b.stat().st_mtime_ns == mtime and len(logs) == 1  # converted once
-    assert bench_gguf.prepare(mixtral / "mx", tmp_path, a) == a
-    (tmp_path / "x.gguf").write_bytes(b"not a gguf")
-    with pytest.raises(bench_gguf.GGUFError, match="not a GGUF file"):
-        bench_gguf.prepare(mixtral / "mx", tmp_path, tmp_path / "x.gguf")
-    with pytest.raises(bench_gguf.GGUFError, match="no such file"):
-        bench_gguf.prepare(mixtral / "mx", tmp_path, tmp_path / "missing.gguf")
-
-
-def test_gguf_conversion_failures_are_one_line(mixtral, tmp_path):
-    import shutil
-
-    from zipmoe.runtime import synth
-
-    synth.write("qwen2_moe", tmp_path / "qw", preset="tiny", seed=0, force=True, progress=False)
-    with pytest.raises(bench_gguf.GGUFError, match="convert_hf_to_gguf.py") as e:
-        bench_gguf.convert(tmp_path / "qw", tmp_path / "q.gguf")
-    assert "\n" not in str(e.value) and "--gguf" in str(e.value)
-    bad = tmp_path / "notok"
-    shutil.copytree(mixtral / "mx", bad)
-    (bad / "tokenizer.json").unlink()
-    with pytest.raises(bench_gguf.GGUFError, match="no tokenizer.json"):
-        bench_gguf.convert(bad, tmp_path / "n.gguf")
-    (bad / "tokenizer.json").write_text("{broken")
-    with pytest.raises(bench_gguf.GGUFError, match="cannot read"):
-        bench_gguf.convert(bad, tmp_path / "n.gguf")
-    # nothing half-written is left behind
-    assert not [p for p in tmp_path.iterdir() if p.suffix in (".gguf", ".tmp")]
-
-
-def test_bench_conversion_failure_keeps_other_engines(mixtral, tmp_path, monkeypatch, capsys):
-    """llama.cpp on a family zipmoe does not convert: one line, the zipmoe engine's results kept."""
-    from zipmoe.codecs.writer import pack
-    from zipmoe.runtime import synth
-    from zipmoe.runtime.bench import run as bench_run
-    from zipmoe_cli.app import main
-
-    synth.write("qwen2_moe", tmp_path / "qw", preset="tiny", seed=0, force=True, progress=False)
-    pack(tmp_path / "qw", tmp_path / "qw.zmoe")
-    monkeypatch.setattr(engines, "missing_extra", lambda name, *a: None)  # as if llama-cpp-python were installed
-    ran = []
-
-    def fake_worker(spec, support, limit, log_path, on_progress, timeout_s=None):
-        ran.append(spec["engine"])
-        run = {"engine": spec["engine"], "budget": spec["budget"], "batch": 1, "new_tokens": 2, "generated": 2, "case": "b1-n2",
-               "ttft_s": 0.1, "tpot_s": 0.05, "e2e_s": 0.15, "tokens_per_s": 13.3, "tokens": [[1, 2]]}
-        return {"engine": spec["engine"], "budget": spec["budget"], "ok": True, "runs": [run]}
-
-    monkeypatch.setattr(bench_run, "run_worker", fake_worker)
-    out = tmp_path / "o.json"
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", str(tmp_path / "qw.zmoe"), "--baseline", "llama.cpp", "--budget", "2M", "--runs", "1", "--new-tokens", "2",
-              "--device", "cpu", "--source", str(tmp_path / "qw"), "--json", str(out), "--disk-bw", "1G", "--work-dir", str(tmp_path / "w")])
-    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("zipmoe: error")]
-    assert exc.value.code == 1 and len(err) == 1 and "GGUF conversion" in err[0] and "Traceback" not in err[0]
-    assert ran == ["zipmoe"]
-    doc = json.loads(out.read_text())
-    assert [d["engine"] for d in doc["results"] if d["ok"]] == ["zipmoe"]
+# llama.cpp's GGUF conversion: tests/test_llamacpp_convert.py
 
 
 # ----------------------------------------------------------------------------- DeepSpeed config

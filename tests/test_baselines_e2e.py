@@ -1,8 +1,9 @@
-"""The DeepSpeed and llama.cpp baselines end to end on a tiny Mixtral on the CPU: real worker
-processes beside the zipmoe engine. Where a baseline's package is not installed, the same run
-must fail with one line naming the extra and keep zipmoe's results (CI installs both:
-bootstrap installs deepspeed, .ci/run the baselines extra, whose llama-cpp-python compiles
-llama.cpp in about 6.5 minutes)."""
+"""The DeepSpeed and llama.cpp baselines end to end on a tiny Mixtral (llama.cpp on a tiny
+Qwen2-MoE too) on the CPU: real worker processes beside the zipmoe engine. Where a baseline's
+package is not installed, the same run must fail with one line naming the extra and keep
+zipmoe's results (CI installs both: bootstrap installs deepspeed, .ci/run the baselines extra,
+whose llama-cpp-python compiles llama.cpp in about 6.5 minutes). llama.cpp's GGUF is written by
+llama.cpp's own converter, fetched once per session (tests/llamacpp_fixture.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import importlib.util
 import json
 
 import pytest
+
+from llamacpp_fixture import converter_folder
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +25,17 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("baselines_e2e")
     synth.write("mixtral", root / "mx", preset="tiny", seed=0, force=True, progress=False)
     pack(root / "mx", root / "mx.zmoe")
+    synth.write("qwen2_moe", root / "qw", preset="tiny", seed=0, force=True, progress=False)
+    pack(root / "qw", root / "qw.zmoe")
     return root
 
 
-def _bench(root, engine, capsys, name, *extra):
+def _bench(root, engine, capsys, name, *extra, model="mx"):
     from zipmoe_cli.app import main
 
     out = root / f"{name}.json"
-    argv = ["bench", str(root / "mx.zmoe"), "--engine", "zipmoe", "--engine", engine, "--budget", "2M", "--new-tokens", "4", "--runs", "1",
-            "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1", "--source", str(root / "mx"), "--json", str(out),
+    argv = ["bench", str(root / f"{model}.zmoe"), "--engine", "zipmoe", "--engine", engine, "--budget", "2M", "--new-tokens", "4", "--runs", "1",
+            "--cold", "--cold-method", "fadvise", "--device", "cpu", "--threads", "1", "--source", str(root / model), "--json", str(out),
             "--work-dir", str(root / f"work-{name}"), "--disk-bw", "1G", "--paper", "--engine-timeout", "240", *extra]
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -83,10 +88,13 @@ def test_deepspeed_nvme_offload_or_one_line(tiny, capsys, monkeypatch):
     assert doc["token_check"]["same"], doc["token_check"]
 
 
-def test_llamacpp_engine_or_missing_extra(tiny, capsys):
-    code, cap, doc = _bench(tiny, "llama.cpp", capsys, "llama")
+@pytest.mark.parametrize("model", ["mx", "qw"])
+def test_llamacpp_engine_or_missing_extra(tiny, capsys, tmp_path_factory, model):
     if importlib.util.find_spec("llama_cpp") is None:
+        code, cap, doc = _bench(tiny, "llama.cpp", capsys, f"llama-{model}", model=model)
         return _missing_extra(code, cap, doc, "llama.cpp")
+    source = converter_folder(tmp_path_factory)  # llama.cpp's convert_hf_to_gguf.py, as the bench fetches it
+    code, cap, doc = _bench(tiny, "llama.cpp", capsys, f"llama-{model}", "--llama-cpp-source", str(source), model=model)
     assert code == 0, cap.err[-3000:]
     lc = next(d for d in doc["results"] if d["engine"] == "llama.cpp")
     assert lc["ok"] and lc["load_info"]["kwargs"]["use_mmap"] == "True"

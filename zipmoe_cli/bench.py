@@ -125,7 +125,8 @@ def bench(
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
     report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
     compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="A bf16 GGUF of the model for the llama.cpp baseline (else converted from the source once; zipmoe converts Mixtral-family models)."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="A bf16 GGUF of the model for the llama.cpp baseline (else converted from the source once by llama.cpp's convert_hf_to_gguf.py)."),
+    llama_cpp_source: Optional[Path] = typer.Option(None, "--llama-cpp-source", metavar="DIR", help="The folder with llama.cpp's convert_hf_to_gguf.py and gguf-py/ for the llama.cpp baseline's conversion: a llama.cpp checkout, an unpacked llama-cpp-python sdist or `python -m zipmoe.runtime.bench.llamacpp_convert fetch DIR`'s folder. Default: $ZIPMOE_BENCH_LLAMA_CPP_SOURCE, else the cache's, fetched once from the installed llama-cpp-python's sdist."),
     moe_infinity_site: Optional[Path] = typer.Option(None, "--moe-infinity-site", metavar="DIR", help="The moe-infinity baseline's own Python folder: MoE-Infinity built from source with the packages it pins (benchmarks/moe_infinity_build.sh makes it); only that engine's process sees it. Default: $ZIPMOE_BENCH_MOE_INFINITY_SITE."),
     paper: bool = typer.Option(False, "--paper", help="Also print the paper's tables (TTFT/TPOT, throughput by batch, latency by length, ablation) from the results."),
     paper_json: Optional[Path] = typer.Option(None, "--paper-json", help="Write the paper's tables as JSON here."),
@@ -181,7 +182,7 @@ def bench(
     if engine_timeout < 0:
         raise UsageError(f"--engine-timeout must not be negative, got {engine_timeout:g}")
     from zipmoe.runtime.bench.deepspeed_engine import check_offload
-    from zipmoe_cli.env import cache_dir, deepspeed_env, engine_env, moe_infinity_site_env
+    from zipmoe_cli.env import cache_dir, deepspeed_env, engine_env, llama_cpp_source_env, moe_infinity_site_env
 
     zipmoe_env = engine_env()  # ZIPMOE_READERS / ZIPMOE_PREFETCH for the zipmoe engines (bench forces every load)
     ds_env = deepspeed_env()
@@ -202,7 +203,7 @@ def bench(
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
-        gguf=gguf, engine_timeout_s=engine_timeout or None, moe_infinity_site=moe_infinity_site or moe_infinity_site_env(),
+        gguf=gguf, llama_cpp_source=llama_cpp_source or llama_cpp_source_env(), engine_timeout_s=engine_timeout or None, moe_infinity_site=moe_infinity_site or moe_infinity_site_env(),
         readers=zipmoe_env.get("readers"), prefetch=zipmoe_env.get("prefetch"), deepspeed_offload=ds_offload,
         deepspeed_build_timeout_s=ds_timeout, deepspeed_load_in_budget=ds_in_budget, cache_dir=cache_dir(),
     )

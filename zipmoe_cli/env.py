@@ -19,7 +19,8 @@ from pathlib import Path
 from zipmoe.errors import UsageError
 
 __all__ = ["engine_env", "load_options", "cache_dir", "deepspeed_env", "READERS", "PREFETCH", "FORCE", "CACHE_DIR",
-           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET", "moe_infinity_site_env", "MOE_INFINITY_SITE"]
+           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET", "moe_infinity_site_env", "MOE_INFINITY_SITE",
+           "llama_cpp_source_env", "LLAMA_CPP_SOURCE"]
 
 READERS = "ZIPMOE_READERS"
 PREFETCH = "ZIPMOE_PREFETCH"
@@ -29,6 +30,7 @@ DEEPSPEED_OFFLOAD = "ZIPMOE_BENCH_DEEPSPEED_OFFLOAD"
 DEEPSPEED_BUILD_TIMEOUT = "ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT"
 DEEPSPEED_LOAD_IN_BUDGET = "ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET"
 MOE_INFINITY_SITE = "ZIPMOE_BENCH_MOE_INFINITY_SITE"
+LLAMA_CPP_SOURCE = "ZIPMOE_BENCH_LLAMA_CPP_SOURCE"
 
 
 def _get(environ: Mapping[str, str] | None, name: str) -> str:
@@ -111,4 +113,11 @@ def moe_infinity_site_env(environ: Mapping[str, str] | None = None) -> Path | No
     """`zipmoe bench`'s moe-infinity folder from ``ZIPMOE_BENCH_MOE_INFINITY_SITE`` (None when unset
     or empty; ``--moe-infinity-site`` wins)."""
     value = _get(environ, MOE_INFINITY_SITE)
+    return Path(value).expanduser() if value else None
+
+
+def llama_cpp_source_env(environ: Mapping[str, str] | None = None) -> Path | None:
+    """`zipmoe bench`'s folder with llama.cpp's converter from ``ZIPMOE_BENCH_LLAMA_CPP_SOURCE``
+    (None when unset or empty; ``--llama-cpp-source`` wins)."""
+    value = _get(environ, LLAMA_CPP_SOURCE)
     return Path(value).expanduser() if value else None

@@ -1,6 +1,7 @@
-"""The ``llama.cpp`` engine of `zipmoe bench`: the model as a bf16 GGUF (runtime/bench/gguf.py)
-served by llama-cpp-python, the file memory-mapped (``use_mmap=True``: weights live in the page
-cache, which the engine's memory cgroup caps at the budget like every other engine's memory).
+"""The ``llama.cpp`` engine of `zipmoe bench`: the model as a bf16 GGUF (written by llama.cpp's
+own converter: runtime/bench/llamacpp_convert.py) served by llama-cpp-python, the file
+memory-mapped (``use_mmap=True``: weights live in the page cache, which the engine's memory
+cgroup caps at the budget like every other engine's memory).
 
 Same token ids as every engine (the parent tokenises once), greedy: after each step the argmax
 of the last logits, with the end-of-sequence ids masked as transformers' ``min_new_tokens``

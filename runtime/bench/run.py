@@ -76,6 +76,7 @@ class BenchConfig:
     sample_seed: int = 0  # --seed: the sample workload's torch seed (set before every run)
     temperature: float = 1.0  # --temperature: the sample workload's
     gguf: Path | None = None  # the llama.cpp engine's GGUF (else converted from the source once)
+    llama_cpp_source: Path | None = None  # the folder with llama.cpp's convert_hf_to_gguf.py (else the user cache's, fetched once)
     moe_infinity_site: Path | None = None  # the moe-infinity engine's own Python folder (benchmarks/moe_infinity_build.sh)
     engine_timeout_s: float | None = None  # a worker still running after this long is killed (its finished runs kept)
     pressure: int | None = None  # --pressure: host memory left available, the rest occupied while engines run (pressure.py)
@@ -431,10 +432,11 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
             runnable = _drop(("source", "raw_container", "gguf"), exc)
     gguf_file = None
     if any(engines.engine(e).needs == "gguf" for e in runnable):
-        from zipmoe.runtime.bench import gguf as bench_gguf
+        from zipmoe.runtime.bench import llamacpp_convert
 
         try:
-            gguf_file = bench_gguf.prepare(source, work, cfg.gguf, log)
+            gguf_file = llamacpp_convert.prepare(source, work, cfg.gguf, log, llama_cpp_source=cfg.llama_cpp_source,
+                                                 cache_dir=cfg.cache_dir)
         except ZipmoeError as exc:
             runnable = _drop(("gguf",), exc)
     if "deepspeed" in runnable:  # its NVMe ops are compiled outside the engines' cgroups
