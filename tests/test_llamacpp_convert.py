@@ -377,3 +377,10 @@ def test_fetch_writes_the_converter_folder_and_the_trimmed_sdist(tmp_path, capsy
     # a version other than the sdist's is refused
     assert lc.main(["fetch", str(tmp_path / "b2"), "--from-sdist", str(sdist), "--version", "1.0"]) == 2
     assert "not the 1.0 asked for" in capsys.readouterr().err
+
+
+def test_fetch_wheels_for_the_gpu_box(converter, tmp_path):
+    """The wheels the converter and llama_cpp need beyond zipmoe's dependencies, for another Python
+    (the GPU box's 3.12). (The converter fixture skips this where the index cannot be reached.)"""
+    got = [p.name for p in lc.download_wheels("3.12", tmp_path)]
+    assert any(n.startswith("sentencepiece-") and "cp312" in n for n in got) and any(n.startswith("diskcache-") for n in got), got

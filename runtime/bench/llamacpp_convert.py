@@ -33,7 +33,8 @@ does not have, a folder without the converter, a family llama.cpp has no archite
 ``python -m zipmoe.runtime.bench.llamacpp_convert fetch DIR [--version V] [--sdist]`` writes the
 converter folder into DIR for a machine without network (give it as ``--llama-cpp-source DIR``);
 ``--sdist`` also writes ``llama_cpp_python-V-trimmed.tar.gz`` there, the source distribution
-without what building llama-cpp-python does not read (:data:`TRIM`), to build it offline.
+without what building llama-cpp-python does not read (:data:`TRIM`), to build it offline;
+``--wheels 3.12`` the wheels of :data:`EXTRA_WHEELS` into ``DIR/wheels``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def find_converter(folder: Path) -> Path | None:
 
 
 def folder_version(folder: Path) -> str:
-    """Which llama.cpp a converter folder is: the sdist version ``fetch`` recorded, else its path."""
+    """Which llama.cpp a converter folder is: the sdist version ``fetch`` recorded, else ``?``."""
     try:
         return Path(folder, VERSION_FILE).read_text().strip()
     except OSError:
@@ -163,6 +164,24 @@ def download_sdist(version: str | None, dest: Path) -> Path:
     return found[-1]
 
 
+#: What llama.cpp's converter (sentencepiece, for Llama-family tokenizers) and llama-cpp-python
+#: (diskcache, imported by ``llama_cpp``) need beyond zipmoe's own dependencies.
+EXTRA_WHEELS = ("sentencepiece", "diskcache")
+
+
+def download_wheels(python: str, dest: Path) -> list[Path]:
+    """:data:`EXTRA_WHEELS` as wheels for Python ``python`` (this machine's platform) into ``dest``."""
+    cmd = [sys.executable, "-m", "pip", "download", *EXTRA_WHEELS, "--no-deps", "--only-binary", ":all:", "--python-version", python,
+           "-d", str(dest), "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise GGUFError(f"pip download {' '.join(EXTRA_WHEELS)} did not finish in {PIP_TIMEOUT_S} s") from None
+    if p.returncode != 0:
+        raise GGUFError(f"cannot download {', '.join(EXTRA_WHEELS)} wheels for Python {python}: {_last_line(p.stderr or p.stdout)}")
+    return sorted(Path(dest).glob("*.whl"))
+
+
 def _sdist_version(sdist: Path) -> str:
     m = re.match(r"llama_cpp_python-(.+)\.tar\.gz$", Path(sdist).name)
     return m.group(1) if m else "?"
@@ -189,6 +208,8 @@ def extract_converter(sdist: Path, dest: Path) -> Path:
             if not rel.startswith("vendor/llama.cpp/") or not (m.isfile() or m.isdir()):
                 continue
             rel = rel[len("vendor/llama.cpp/"):]
+            if ".." in Path(rel).parts:
+                continue
             if not any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in CONVERTER_PARTS) or "/__pycache__/" in rel:
                 continue
             if m.isfile():
@@ -461,7 +482,8 @@ def prepare(source: Path, work: Path, given: Path | None, log=lambda m: None, ll
     out = Path(work) / "gguf" / GGUF_NAME
     stamp = out.with_name(out.name + ".source")
     newest = max((p.stat().st_mtime_ns for p in Path(source).glob("*.safetensors")), default=0)
-    ident = f"{Path(source).resolve()}:{newest}:{converter.resolve()}:{folder_version(converter)}"
+    ident = (f"{Path(source).resolve()}:{newest}:{converter.resolve()}:{folder_version(converter)}:"
+             f"{(converter / CONVERTER).stat().st_mtime_ns}")
     if out.exists() and stamp.exists() and stamp.read_text() == ident:
         return out
     log(f"converting {source} to a bf16 GGUF at {out} with llama.cpp's {CONVERTER} ({converter}) for the 'llama.cpp' engine (once)")
@@ -483,17 +505,24 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--version", default=None, help="llama-cpp-python version (default: the installed one, else the newest)")
     f.add_argument("--sdist", action="store_true", help="also write llama_cpp_python-V-trimmed.tar.gz into DIR (builds offline)")
     f.add_argument("--from-sdist", type=Path, default=None, metavar="FILE", help="use this sdist instead of downloading one")
+    f.add_argument("--wheels", default=None, metavar="PYTHON", help="also download into DIR/wheels the wheels, for that Python "
+                   f"version (e.g. 3.12), that the converter and llama-cpp-python need beyond zipmoe's dependencies: {', '.join(EXTRA_WHEELS)}")
     args = ap.parse_args(argv)
     try:
         version = args.version or (None if args.from_sdist else installed_version())
         folder = fetch(args.dir, version, sdist_out=args.sdist, sdist_file=args.from_sdist)
+        if args.wheels:
+            download_wheels(args.wheels, Path(args.dir) / "wheels")
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".tar.gz"))
+    size = sum(p.stat().st_size for p in folder.rglob("*")
+               if p.is_file() and not p.name.endswith((".tar.gz", ".whl")) and not p.name.startswith("."))
     print(f"converter: {folder} ({folder_version(folder)}, {size / 2**20:.1f} MiB): zipmoe bench --llama-cpp-source {folder}")
     for t in sorted(Path(args.dir).glob("llama_cpp_python-*-trimmed.tar.gz")) if args.sdist else []:
         print(f"trimmed sdist: {t} ({t.stat().st_size / 2**20:.1f} MiB)")
+    for w in sorted((Path(args.dir) / "wheels").glob("*.whl")) if args.wheels else []:
+        print(f"wheel: {w} ({w.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 
