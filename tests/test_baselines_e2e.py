@@ -1,5 +1,5 @@
 """The DeepSpeed and llama.cpp baselines end to end on a tiny Mixtral (llama.cpp on a tiny
-Qwen2-MoE too) on the CPU: real worker processes beside the zipmoe engine. Where a baseline's
+Qwen2-MoE and DeepSeek-V2 too) on the CPU: real worker processes beside the zipmoe engine. Where a baseline's
 package is not installed, the same run must fail with one line naming the extra and keep
 zipmoe's results (CI installs both: bootstrap installs deepspeed, .ci/run the baselines extra,
 whose llama-cpp-python compiles llama.cpp in about 6.5 minutes). llama.cpp's GGUF is written by
@@ -27,6 +27,8 @@ def tiny(tmp_path_factory):
     pack(root / "mx", root / "mx.zmoe")
     synth.write("qwen2_moe", root / "qw", preset="tiny", seed=0, force=True, progress=False)
     pack(root / "qw", root / "qw.zmoe")
+    synth.write("deepseek_v2", root / "ds", preset="tiny", seed=0, force=True, progress=False)
+    pack(root / "ds", root / "ds.zmoe")
     return root
 
 
@@ -88,7 +90,7 @@ def test_deepspeed_nvme_offload_or_one_line(tiny, capsys, monkeypatch):
     assert doc["token_check"]["same"], doc["token_check"]
 
 
-@pytest.mark.parametrize("model", ["mx", "qw"])
+@pytest.mark.parametrize("model", ["mx", "qw", "ds"])
 def test_llamacpp_engine_or_missing_extra(tiny, capsys, tmp_path_factory, model):
     if importlib.util.find_spec("llama_cpp") is None:
         code, cap, doc = _bench(tiny, "llama.cpp", capsys, f"llama-{model}", model=model)

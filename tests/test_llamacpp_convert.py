@@ -100,6 +100,8 @@ def _check_bit_exact(family: str, src: Path, gguf_path: Path, gguf) -> None:
     n_exp = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     assert _field(r, f"{arch}.expert_count") == n_exp
     assert _field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_BF16
+    if family == "deepseek_v2":  # null in the checkpoint, 0 in the view (test_the_view_gives_a_small_deepseek_q_lora_rank_0)
+        assert _field(r, "deepseek2.attention.q_lora_rank") == 0
     # tensor count: the per-expert tensors of a layer become 3 stacked ones; DeepSeek-V2's kv_b_proj two
     roles = [classify(n, a.shape, config) for n, a in ck.items()]
     experts = [x for x in roles if x.role == "expert"]
@@ -254,7 +256,7 @@ def test_the_converters_failure_is_one_line_with_its_last_error(synth_dir, tmp_p
     _one_line(e, "needs the sentencepiece_missing_here package")
 
 
-def test_switch_transformers_and_small_deepseek_are_one_line(tmp_path):
+def test_switch_transformers_is_one_line(tmp_path):
     from zipmoe.runtime import synth
 
     synth.write("switch_transformers", tmp_path / "sw", preset="tiny", seed=0, force=True, progress=False)
@@ -264,12 +266,17 @@ def test_switch_transformers_and_small_deepseek_are_one_line(tmp_path):
     with pytest.raises(lc.GGUFError) as e:
         lc.convert(tmp_path / "sw", tmp_path / "w" / "x.gguf", tmp_path)
     _one_line(e, "encoder-decoder")
-    # llama.cpp converts a DeepSeek-V2 without q_lora_rank but loads it only with 26 or 27 layers
-    with pytest.raises(lc.GGUFError) as e:
-        lc.check_servable({"model_type": "deepseek_v2", "q_lora_rank": None, "num_hidden_layers": 3})
-    _one_line(e, "26 or 27 layers", "has 3")
-    lc.check_servable({"model_type": "deepseek_v2", "q_lora_rank": None, "num_hidden_layers": 27})
-    lc.check_servable({"model_type": "deepseek_v2", "q_lora_rank": 1536, "num_hidden_layers": 3})
+
+
+def test_the_view_gives_a_small_deepseek_q_lora_rank_0(synth_dir, tmp_path):
+    """llama.cpp reads q_lora_rank of every DeepSeek-V2 but one with V2-Lite's 26 or 27 layers;
+    null (V2-Lite's full q_proj) is written as 0 in the view, which llama.cpp builds the same way."""
+    notes = lc.make_view(synth_dir("deepseek_v2"), tmp_path / "v")
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert cfg["q_lora_rank"] == 0 and not (tmp_path / "v" / "config.json").is_symlink() and any("q_lora_rank" in n for n in notes)
+    assert json.loads((synth_dir("deepseek_v2") / "config.json").read_text())["q_lora_rank"] is None  # the source as it was
+    assert lc._view_config({"model_type": "deepseek_v2", "q_lora_rank": None, "num_hidden_layers": 27})[0] is None
+    assert lc._view_config({"model_type": "deepseek_v2", "q_lora_rank": 1536, "num_hidden_layers": 3})[0] is None
 
 
 def test_an_unreachable_index_is_one_line(tmp_path, monkeypatch):

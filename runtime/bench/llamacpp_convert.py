@@ -19,6 +19,8 @@ The converter runs in a subprocess of this Python (runtime/bench/llamacpp_launch
 It reads a *view* of the checkpoint (:func:`make_view`, a temporary folder; the source is never
 written), which differs from the source only where the converter cannot read it:
 
+- ``config.json`` with ``q_lora_rank: 0`` for a DeepSeek-V2 without one whose layer count is not
+  V2-Lite's (:func:`_view_config`): llama.cpp would refuse the file;
 - ``merges.txt`` with one merge when the tokenizer has none (zipmoe synth's byte-level tokenizer):
   llama.cpp refuses a BPE vocabulary without the merges key;
 - per-expert tensors where the checkpoint has transformers 5's fused experts
@@ -295,13 +297,18 @@ def check_convertible(config: dict) -> None:
                         "so the llama.cpp baseline cannot run it")
 
 
-def check_servable(config: dict) -> None:
-    """What llama.cpp converts but does not load: a DeepSeek-V2 without q_lora_rank (V2-Lite's
-    layout) is read only when it has 26 or 27 layers, llama.cpp's test for 'Lite'."""
-    layers = config.get("num_hidden_layers")
-    if config.get("model_type") == "deepseek_v2" and config.get("q_lora_rank") is None and layers not in (26, 27):
-        raise GGUFError(f"baseline 'llama.cpp': llama.cpp loads a DeepSeek-V2 without q_lora_rank only with 26 or 27 layers "
-                        f"(its test for V2-Lite); this one has {layers}")
+def _view_config(config: dict) -> tuple[dict | None, str]:
+    """config.json as the view gives it, with why, or (None, "") when the source's is read as it is.
+
+    A DeepSeek-V2 without q_lora_rank (V2-Lite's full q_proj) gets ``q_lora_rank: 0`` unless it
+    has 26 or 27 layers: llama.cpp reads the key of every DeepSeek-V2 whose layer count is not
+    V2-Lite's (its test for 'Lite'), and the converter writes it only when it is not null; with 0
+    llama.cpp builds the full q projection, as it does for V2-Lite."""
+    if config.get("model_type") == "deepseek_v2" and config.get("q_lora_rank") is None \
+            and config.get("num_hidden_layers") not in (26, 27):
+        return dict(config, q_lora_rank=0), (f"q_lora_rank 0 for null (llama.cpp reads that key unless a DeepSeek-V2 has "
+                                             f"V2-Lite's 26 or 27 layers; this one has {config.get('num_hidden_layers')})")
+    return None, ""
 
 
 def _one_merge(tok: dict) -> str | None:
@@ -390,8 +397,13 @@ def make_view(source: Path, view: Path, log=lambda m: None) -> list[str]:
         if family is None:
             raise GGUFError(f"GGUF conversion: {source} has fused experts (mlp.experts.gate_up_proj) and zipmoe does not know "
                             f"{mt!r}'s per-expert names, which llama.cpp's converter reads")
+    adjusted, why = _view_config(config)
+    if adjusted is not None:
+        (view / "config.json").write_text(json.dumps(adjusted, indent=2))
+        notes.append(why)
     for p in source.iterdir():
-        if p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json" or not p.is_file():
+        if p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json" or not p.is_file() \
+                or (view / p.name).exists():
             continue
         (view / p.name).symlink_to(p.resolve())
     weight_map: dict[str, str] = {}
@@ -477,7 +489,6 @@ def prepare(source: Path, work: Path, given: Path | None, log=lambda m: None, ll
         return g
     config = _config(source)
     check_convertible(config)
-    check_servable(config)
     converter = resolve_converter(llama_cpp_source, cache_dir, log)
     out = Path(work) / "gguf" / GGUF_NAME
     stamp = out.with_name(out.name + ".source")
