@@ -133,6 +133,7 @@ def bench(
     paper_plot: Optional[Path] = typer.Option(None, "--paper-plot", help="PNG of the paper's tables (needs matplotlib)."),
     deepspeed_offload: Optional[str] = typer.Option(None, "--deepspeed-offload", metavar="auto|nvme|cpu", help="Where the deepspeed baseline offloads its parameters: nvme (fails with one line where DeepSpeed's async_io op cannot be built), cpu (outside the budget), auto (nvme where it can be built; the default). Default: $ZIPMOE_BENCH_DEEPSPEED_OFFLOAD."),
     deepspeed_build_timeout: Optional[float] = typer.Option(None, "--deepspeed-build-timeout", metavar="SECONDS", help="Time limit for building DeepSpeed's async_io op (default: $ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT, else 1800)."),
+    deepspeed_libaio: Optional[Path] = typer.Option(None, "--deepspeed-libaio", metavar="PREFIX", help="A libaio installed into PREFIX (include/libaio.h, lib/libaio.so: benchmarks/libaio_build.sh build makes one) for DeepSpeed's async_io op, where the machine has no libaio-dev; the op's build and the engines' workers get the compiler and loader paths to it. Default: $ZIPMOE_BENCH_DEEPSPEED_LIBAIO."),
     deepspeed_load_in_budget: Optional[bool] = typer.Option(None, "--deepspeed-load-in-budget/--deepspeed-load-unbudgeted", help="Keep the deepspeed baseline's memory cgroup at the budget while it loads too (default: unbudgeted loading, the cgroup tightened once loaded; $ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET=1 sets it)."),
 ) -> None:
     """Serve the same model with zipmoe and with baselines under the same budget; compare per token."""
@@ -181,8 +182,8 @@ def bench(
         raise UsageError(f"--threads must not be negative, got {threads}")
     if engine_timeout < 0:
         raise UsageError(f"--engine-timeout must not be negative, got {engine_timeout:g}")
-    from zipmoe.runtime.bench.deepspeed_engine import check_offload
-    from zipmoe_cli.env import cache_dir, deepspeed_env, engine_env, llama_cpp_source_env, moe_infinity_site_env
+    from zipmoe.runtime.bench.deepspeed_engine import check_libaio, check_offload, use_libaio
+    from zipmoe_cli.env import cache_dir, deepspeed_env, deepspeed_libaio_env, engine_env, llama_cpp_source_env, moe_infinity_site_env
 
     zipmoe_env = engine_env()  # ZIPMOE_READERS / ZIPMOE_PREFETCH for the zipmoe engines (bench forces every load)
     ds_env = deepspeed_env()
@@ -191,6 +192,7 @@ def bench(
         raise UsageError(f"--deepspeed-build-timeout must be a number of seconds above 0, got {deepspeed_build_timeout:g}")
     ds_timeout = deepspeed_build_timeout if deepspeed_build_timeout is not None else ds_env["build_timeout_s"]
     ds_in_budget = deepspeed_load_in_budget if deepspeed_load_in_budget is not None else bool(ds_env["load_in_budget"])
+    ds_libaio = check_libaio(deepspeed_libaio) if deepspeed_libaio is not None else deepspeed_libaio_env()
     if (plot is not None or paper_plot is not None):
         try:
             import matplotlib  # noqa: F401
@@ -207,6 +209,8 @@ def bench(
         readers=zipmoe_env.get("readers"), prefetch=zipmoe_env.get("prefetch"), deepspeed_offload=ds_offload,
         deepspeed_build_timeout_s=ds_timeout, deepspeed_load_in_budget=ds_in_budget, cache_dir=cache_dir(),
     )
+    if ds_libaio and "deepspeed" in engines:  # inherited by the op's build process and every worker
+        use_libaio(ds_libaio)
     from rich.console import Console
 
     err = Console(stderr=True)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from zipmoe.errors import UsageError
 
-__all__ = ["engine_env", "load_options", "cache_dir", "deepspeed_env", "READERS", "PREFETCH", "FORCE", "CACHE_DIR",
-           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET", "moe_infinity_site_env", "MOE_INFINITY_SITE",
-           "llama_cpp_source_env", "LLAMA_CPP_SOURCE"]
+__all__ = ["engine_env", "load_options", "cache_dir", "deepspeed_env", "deepspeed_libaio_env", "READERS", "PREFETCH", "FORCE", "CACHE_DIR",
+           "DEEPSPEED_OFFLOAD", "DEEPSPEED_BUILD_TIMEOUT", "DEEPSPEED_LOAD_IN_BUDGET", "DEEPSPEED_LIBAIO", "moe_infinity_site_env",
+           "MOE_INFINITY_SITE", "llama_cpp_source_env", "LLAMA_CPP_SOURCE"]
 
 READERS = "ZIPMOE_READERS"
 PREFETCH = "ZIPMOE_PREFETCH"
@@ -29,6 +29,7 @@ CACHE_DIR = "ZIPMOE_CACHE_DIR"
 DEEPSPEED_OFFLOAD = "ZIPMOE_BENCH_DEEPSPEED_OFFLOAD"
 DEEPSPEED_BUILD_TIMEOUT = "ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT"
 DEEPSPEED_LOAD_IN_BUDGET = "ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET"
+DEEPSPEED_LIBAIO = "ZIPMOE_BENCH_DEEPSPEED_LIBAIO"
 MOE_INFINITY_SITE = "ZIPMOE_BENCH_MOE_INFINITY_SITE"
 LLAMA_CPP_SOURCE = "ZIPMOE_BENCH_LLAMA_CPP_SOURCE"
 
@@ -93,7 +94,8 @@ def deepspeed_env(environ: Mapping[str, str] | None = None) -> dict:
     """`zipmoe bench`'s deepspeed baseline as the environment sets it (its options win):
     ``offload`` from ``ZIPMOE_BENCH_DEEPSPEED_OFFLOAD`` (``nvme``, ``cpu``; ``auto`` or unset:
     None), ``build_timeout_s`` from ``ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT`` (seconds above 0, or
-    None), ``load_in_budget`` from ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET`` (0 or 1, or None)."""
+    None), ``load_in_budget`` from ``ZIPMOE_BENCH_DEEPSPEED_LOAD_IN_BUDGET`` (0 or 1, or None);
+    its libaio: :func:`deepspeed_libaio_env`."""
     from zipmoe.runtime.bench.deepspeed_engine import check_offload  # torch-free
 
     offload = check_offload(_get(environ, DEEPSPEED_OFFLOAD) or None, f"{DEEPSPEED_OFFLOAD}=")
@@ -107,6 +109,15 @@ def deepspeed_env(environ: Mapping[str, str] | None = None) -> dict:
             raise UsageError(f"{DEEPSPEED_BUILD_TIMEOUT}={timeout!r}: expected seconds, a number above 0")
         timeout = seconds
     return {"offload": offload, "build_timeout_s": timeout, "load_in_budget": _switch(environ, DEEPSPEED_LOAD_IN_BUDGET)}
+
+
+def deepspeed_libaio_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The deepspeed baseline's libaio prefix from ``ZIPMOE_BENCH_DEEPSPEED_LIBAIO`` (a folder with
+    include/libaio.h and lib/libaio.so, made absolute; None when unset or empty; ``--deepspeed-libaio``
+    wins); a folder without them is one :class:`UsageError` line naming the variable."""
+    from zipmoe.runtime.bench.deepspeed_engine import check_libaio  # torch-free
+
+    return check_libaio(_get(environ, DEEPSPEED_LIBAIO) or None, f"{DEEPSPEED_LIBAIO}=")
 
 
 def moe_infinity_site_env(environ: Mapping[str, str] | None = None) -> Path | None:

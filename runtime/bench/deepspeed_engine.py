@@ -10,7 +10,10 @@ of g++ on two cores) is skipped.
 
 Where the parameters go (``zero_optimization.offload_param``):
 
-- ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``;
+- ``nvme``: DeepSpeed's async-I/O op (``AsyncIOBuilder``: libaio, ``apt install libaio-dev``, or
+  one built into a folder of its own by benchmarks/libaio_build.sh: ``zipmoe bench
+  --deepspeed-libaio PREFIX`` calls :func:`use_libaio`, whose variables the build process and the
+  worker inherit;
   JIT-compiled once into ~/.cache/torch_extensions; bench builds it with :func:`prepare` in a
   process of its own, outside every memory cgroup and under a time limit, before the worker
   starts: g++ inside the budgeted worker was killed by the cgroup, and a build killed while it
@@ -101,8 +104,61 @@ def aio_available() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001
         return False, f"{type(exc).__name__}: {exc}"
     if not ok:
-        return False, "its NVMe offload needs the async_io op, which needs libaio (apt install libaio-dev)"
+        return False, ("its NVMe offload needs the async_io op, which needs libaio (apt install libaio-dev, or one built "
+                       "into a folder: benchmarks/libaio_build.sh, then --deepspeed-libaio PREFIX)")
     return True, ""
+
+
+LIBAIO_FILES = ("include/libaio.h", "lib/libaio.so")
+
+
+def check_libaio(prefix, what: str = "--deepspeed-libaio ") -> str | None:
+    """The folder libaio was installed into (``make prefix=PREFIX install``, as
+    benchmarks/libaio_build.sh does), absolute; None when unset. A folder without
+    include/libaio.h or lib/libaio.so is one :class:`UsageError` line. Torch-free."""
+    if prefix is None or str(prefix) == "":
+        return None
+    path = os.path.abspath(os.path.expanduser(str(prefix)))
+    missing = [f for f in LIBAIO_FILES if not os.path.exists(os.path.join(path, f))]
+    if missing:
+        raise UsageError(f"{what}{str(prefix)!r}: no {' or '.join(missing)} there (a libaio prefix: "
+                         f"benchmarks/libaio_build.sh build TARBALL PREFIX makes one)")
+    return path
+
+
+def libaio_env(prefix: str, environ=None) -> dict:
+    """The environment variables with which DeepSpeed's async_io op builds and loads against the
+    libaio under ``prefix`` (each in front of what ``environ``, default ``os.environ``, has):
+    ``CFLAGS``/``LDFLAGS`` for ``is_compatible``'s test program (``has_function`` passes them to the
+    compiler and linker), ``CPATH``/``LIBRARY_PATH`` for the op's JIT build (torch's ninja build
+    reads neither CFLAGS nor LDFLAGS; gcc reads these), ``LD_RUN_PATH`` (the op's RUNPATH, so it
+    finds libaio.so.1 in any process) and ``LD_LIBRARY_PATH``. Where ``prefix/cuda-lib`` exists
+    (the build script's libcuda.so link for DeepSpeed's CUDA op's ``-lcuda``) it is on
+    ``LIBRARY_PATH`` too. benchmarks/libaio_build.sh env prints the same."""
+    environ = os.environ if environ is None else environ
+    inc, lib = os.path.join(prefix, "include"), os.path.join(prefix, "lib")
+    libs = [lib] + ([os.path.join(prefix, "cuda-lib")] if os.path.isdir(os.path.join(prefix, "cuda-lib")) else [])
+    ahead = {"CFLAGS": (f"-I{inc}", " "), "LDFLAGS": (f"-L{lib} -Wl,-rpath,{lib}", " "), "CPATH": (inc, ":"),
+             "LIBRARY_PATH": (":".join(libs), ":"), "LD_RUN_PATH": (lib, ":"), "LD_LIBRARY_PATH": (lib, ":")}
+    return {k: v + (sep + environ[k] if environ.get(k) else "") for k, (v, sep) in ahead.items()}
+
+
+def use_libaio(prefix) -> dict:
+    """Put :func:`libaio_env` into this process's environment, which the op's build process
+    (:func:`prepare`) and the engines' workers inherit; the variables set. ``zipmoe bench
+    --deepspeed-libaio PREFIX`` calls it before anything runs."""
+    env = libaio_env(check_libaio(prefix))
+    os.environ.update(env)
+    return env
+
+
+def loaded_libaio() -> list[str]:
+    """The libaio files mapped into this process (the one the loaded async_io op uses)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "libaio.so" in ln})
+    except OSError:
+        return []
 
 
 OPS = ("AsyncIOBuilder", "PinMemoryBuilder")  # what the NVMe offload loads (the pinned buffers' op where the accelerator has one)
@@ -321,6 +377,8 @@ def load(spec: dict, from_pretrained, info: dict):
     eng = deepspeed.initialize(model=model, config_params=config)[0]
     eng.module.eval()
     info.update(offload_param=offload, ds_config=config, nvme_path=nvme, dtype=str(dtype))
+    if offload == "nvme":
+        info["libaio"] = loaded_libaio()
     model = eng.module
     model._zipmoe_ds_engine = eng  # keep the engine (and its swapper) alive
     model._zipmoe_hf_ds = hf_ds
