@@ -110,3 +110,17 @@ def test_cli_several_reports_need_a_paper_output(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["bench", str(tmp_path / "x.zmoe"), "--budget", "1M", "--pressure", size])
         assert exc.value.code == 2 and line in capsys.readouterr().err
+
+
+def test_latency_at_the_length_most_engines_ran_and_the_others_at_their_own():
+    """The baselines ran 32 tokens, zipmoe's engines 64: the table is at 64 (more pairs ran it) and
+    the baselines' cells are their 32-token figures, marked @32, with the note saying what @ means."""
+    d = _doc("A", [_run("zipmoe", 0.1, n=64), _run("zipmoe-basic", 0.2, n=64), _run("zipmoe-pools", 0.15, n=64),
+                   _run("accelerate", 2.0, n=32), _run("zipmoe", 0.12, n=32)])
+    t = tables.build(d)
+    lat = {r["engine"]: r for r in t["tables"]["latency"]["rows"]}
+    assert t["tables"]["latency"]["new_tokens"] == 64
+    assert lat["zipmoe"]["tpot_s"]["value"] == pytest.approx(0.1) and "new_tokens" not in lat["zipmoe"]["tpot_s"]
+    assert lat["accelerate"]["tpot_s"]["value"] == pytest.approx(2.0) and lat["accelerate"]["tpot_s"]["new_tokens"] == 32
+    md = tables.markdown(t)
+    assert "| accelerate | 400 M | 500.0 ms @32 | 2.00 s @32 |" in md and "@N:" in md

@@ -156,15 +156,27 @@ def build(doc: dict) -> dict:
     cases = sorted({(r["batch"], r["new_tokens"]) for r in summary})
     tables: dict = {}
 
-    # TTFT / TPOT, batch 1 (the longest generation)
+    # TTFT / TPOT, batch 1: at the length most engines and budgets ran (ties: the longest); an engine
+    # that did not run it shows its own longest batch-1 run, its length in the cell (TPOT is per token)
     b1 = [n for b, n in cases if b == 1]
-    nt = max(b1) if b1 else (max(n for _, n in cases) if cases else None)
     bt = 1 if b1 else (min(b for b, _ in cases) if cases else None)
+    counts = defaultdict(int)
+    for (e, bud, b, n) in rows:
+        if b == bt:
+            counts[n] += 1
+    nt = max(counts, key=lambda n: (counts[n], n)) if counts else (max(n for _, n in cases) if cases else None)
     lat = []
     for e in engines:
         for bud in ([None] if e == "resident" else budgets):
-            lat.append({"engine": e, "budget": bud,
-                        "ttft_s": _cell(status, rows, e, bud, (bt, nt), "ttft_s"), "tpot_s": _cell(status, rows, e, bud, (bt, nt), "tpot_s")})
+            case = (bt, nt)
+            if (e, _budget_of(e, bud)) + case not in rows:
+                own = [n for (ee, bb, b, n) in rows if ee == e and bb == _budget_of(e, bud) and b == bt]
+                case = (bt, max(own)) if own else case
+            cells = {m: _cell(status, rows, e, bud, case, m) for m in ("ttft_s", "tpot_s")}
+            if case[1] != nt:
+                for c in cells.values():
+                    c["new_tokens"] = case[1]
+            lat.append({"engine": e, "budget": bud, **cells})
     encdec = _encoder_decoder(doc)
     kind = ("encoder-decoder: TTFT is the encoder's pass over the prompt and the first decoder step, TPOT a decoder step"
             if encdec else "decoder-only")
@@ -335,6 +347,8 @@ def _text(c: dict, fmt) -> str:
     s = fmt(c["value"]) + c.get("flag", "")
     if c.get("stopped_by_time_limit"):
         s += "*"
+    if c.get("new_tokens") is not None:  # another length than the table's (its own longest run)
+        s += f" @{c['new_tokens']}"
     return s
 
 
@@ -376,6 +390,8 @@ def _footnotes(model: dict) -> list[str]:
     T = model["tables"]
     if any(c.get("stopped_by_time_limit") for r in T["latency"]["rows"] for c in (r["ttft_s"], r["tpot_s"])):
         notes.append("* stopped by --time-limit before all new tokens were made (figures are per token)")
+    if any(c.get("new_tokens") is not None for r in T["latency"]["rows"] for c in (r["ttft_s"], r["tpot_s"])):
+        notes.append("@N: that engine did not run the table's length; its longest run at that batch, of N new tokens")
     return notes
 
 
