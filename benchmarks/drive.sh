@@ -382,11 +382,13 @@ mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from th
 }
 
 suite_paper() {  # issue 24: DeepSeek-V2-Lite and Switch-Large-128 at their real shapes (layers cut to fit the sitting), every table
-    # Per model, in the order the full-size models need on the 64 GB disk (docs/bench.md, "The paper's
-    # models"): synth, pack, the budgets, the baselines and llama.cpp's GGUF on the source, the source
-    # deleted, then zipmoe on the container. The main tables of both models first (TTFT/TPOT at both
-    # budgets, the ablation), the longer cases after, so a sitting cut short still has the main tables.
-    export TOKENS=${TOKENS:-128} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-15} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin}
+    # Per model: synth, pack, the budgets, the baselines and llama.cpp's GGUF on the source, then zipmoe
+    # on the container; the sources (8.6 and 8.2 GiB) stay until the pressure cases (Accelerate reads
+    # them) and go at the end (docs/bench.md, "The paper's models": the full-size order). The main tables of both models first (TTFT/TPOT at both
+    # budgets, the ablation), the longer cases after, so a sitting cut short still has the main tables:
+    # Switch's plan comes after DeepSeek's extra cases (its first rows: the pools' default split and
+    # full tensors only).
+    export TOKENS=${TOKENS:-64} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-15} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin}
     bench_env 1
     stage probe 60 probe
     # PAPER_AIO=0: no libaio (DeepSpeed then offloads to CPU memory, outside the budget); PAPER_DS_PRESET/PAPER_SW_PRESET
@@ -396,15 +398,18 @@ suite_paper() {  # issue 24: DeepSeek-V2-Lite and Switch-Large-128 at their real
     wait_bg  # the op's compilers would share the cores with the timed runs
     paper_baselines ds
     [ "${PAPER_LLAMA:-1}" != 0 ] && stage ds-llama.cpp 300 paper_llamacpp ds
-    stage ds-rmsrc 30 rm -rf "$WORK/ds-src"
-    paper_zipmoe ds
+    stage ds-plan 400 paper_plan ds
+    paper_zipmoe ds plan
     paper_model sw switch_transformers "${PAPER_SW_PRESET:-switch-large-128}" "${PAPER_SW_LAYERS:-4}"
     paper_baselines sw
-    stage sw-rmsrc 30 rm -rf "$WORK/sw-src"
-    paper_zipmoe sw
-    local t
-    for t in ds sw; do paper_more "$t"; done
-    for t in ds sw; do [ "${PAPER_PRESSURE:-1}" != 0 ] && stage "$t-pressure" 300 paper_pressure "$t"; done
+    paper_zipmoe sw split
+    paper_more ds
+    [ "${PAPER_PRESSURE:-1}" != 0 ] && stage ds-pressure 300 paper_pressure ds
+    stage sw-plan 400 paper_plan sw
+    paper_zipmoe sw plan
+    paper_more sw
+    [ "${PAPER_PRESSURE:-1}" != 0 ] && stage sw-pressure 300 paper_pressure sw
+    stage rmsrc 30 rm -rf "$WORK/ds-src" "$WORK/sw-src"
     stage paper-report 60 paper_report
 }
 
@@ -413,14 +418,27 @@ paper_model() {  # paper_model TAG FAMILY PRESET LAYERS [SYNTH OPTIONS]: the che
     stage "$t-synth" 300 zipmoe synth "$fam" --preset "$preset" --layers "$L" "$@" -o "$W/$t-src" --force
     stage "$t-pack" 300 zipmoe pack "$W/$t-src" -o "$W/$t.zmoe" --force
     stage "$t-budgets" 60 fraction_budgets "$W/$t.zmoe" "$W/$t-budgets.txt" "${PAPER_FRACTIONS:-0.25,0.5}"
+    # a few warm tokens of zipmoe first: a model that does not run on this device shows in the first minutes
+    stage "$t-smoke" 120 paper_smoke "$t"
 }
 
-paper_zipmoe() {  # the profile and a plan per budget; zipmoe and zipmoe-basic at both budgets, the other ablations at the smaller
-    local t=$1 b q=1
-    stage "$t-plan" 400 paper_plan "$t"
+paper_smoke() {
+    local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
+    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --budget "$b" --batch 1 --new-tokens 4 --runs 1 --warm --device "${DEVICE:-cuda}" \
+        --work-dir "$WORK/$t-work" --disk-bw 1G --compact --json "$WORK/$t-smoke.json"
+}
+
+paper_zipmoe() {  # paper_zipmoe TAG plan|split: zipmoe with its plan (and the ablations at the smaller budget), or without
+    # a plan: the pools' default split (zipmoe-pools) and full tensors only (zipmoe-basic), at both budgets
+    local t=$1 how=$2 b q=1 engines
     for b in $(paper_budgets "$t"); do
-        stage "$t-zipmoe-$b" 300 paper_bench "$t" "$b" --engine zipmoe --engine zipmoe-basic \
-            $([ $q = 1 ] && echo "--engine zipmoe-pools --engine zipmoe-noprefetch") --batch 1 --new-tokens "$TOKENS"
+        if [ "$how" = plan ]; then
+            engines="--engine zipmoe $([ $q = 1 ] && echo "--engine zipmoe-noprefetch") $([ "$t" = ds ] && echo "--engine zipmoe-basic --engine zipmoe-pools")"
+            [ "$t" = ds ] || [ $q = 1 ] || engines="--engine zipmoe"
+        else
+            engines="--engine zipmoe-pools --engine zipmoe-basic"
+        fi
+        stage "$t-zipmoe-$how-$b" 300 paper_bench "$t" "$b" $engines --batch 1 --new-tokens "$TOKENS"
         q=0
     done
 }
@@ -447,9 +465,10 @@ paper_plan() {  # the profile; the first budget's plan calibrates (and records t
     done
 }
 
-paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at BUDGET with its plan, into WORK/TAG.json
-    local t=$1 b=$2; shift 2
-    x zipmoe bench "$WORK/$t.zmoe" --budget "$b" --plan "$WORK/$t-plan-$b.json" $(paper_common "$t") --time-limit 120 \
+paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at BUDGET (with its plan once made), into WORK/TAG.json
+    local t=$1 b=$2 plan=(); shift 2
+    { [ -e "$WORK/$t-plan-$b.json" ] || [ -n "$DRY" ]; } && plan=(--plan "$WORK/$t-plan-$b.json")
+    x zipmoe bench "$WORK/$t.zmoe" --budget "$b" "${plan[@]}" $(paper_common "$t") --time-limit 120 \
         --json "$WORK/$t.json" --merge "$@"
 }
 
@@ -464,7 +483,7 @@ paper_baselines() {  # accelerate and deepspeed at both budgets on the source (c
 paper_more() {  # the throughput and length tables: zipmoe at the larger budget, batch 4 and 16, 32 and 512 new tokens
     local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
     stage "$t-batch" 300 paper_bench "$t" "$b" --engine zipmoe --batch 4,16 --new-tokens 64
-    stage "$t-lengths" 300 paper_bench "$t" "$b" --engine zipmoe --batch 1 --new-tokens 32,512
+    stage "$t-lengths" 300 paper_bench "$t" "$b" --engine zipmoe --batch 1 --new-tokens 32,128,512
 }
 
 paper_pressure() {  # the memory-pressure case: zipmoe and accelerate at the smaller budget with the host's memory occupied
@@ -473,22 +492,28 @@ paper_pressure() {  # the memory-pressure case: zipmoe and accelerate at the sma
     leave=$([ -n "$DRY" ] && echo "BUDGET+${PAPER_LEAVE:-6G}" || python3 -c 'import sys
 from zipmoe.units import parse_size
 print(parse_size(sys.argv[1]) + parse_size(sys.argv[2]))' "$b" "${PAPER_LEAVE:-6G}")
-    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" --plan "$WORK/$t-plan-$b.json" --batch 1 \
+    local plan=(); { [ -e "$WORK/$t-plan-$b.json" ] || [ -n "$DRY" ]; } && plan=(--plan "$WORK/$t-plan-$b.json")
+    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" "${plan[@]}" --batch 1 \
         --new-tokens 32 $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" --pressure "$leave" --json "$WORK/$t-pressure.json"
 }
 
 paper_aio() {  # libaio (carried as source in .aio/) into /tmp/aio; DeepSpeed's async_io op built against it
+    # (check: DeepSpeed's op JIT-built against it into torch's extension cache, and an aio round trip, so
+    # that bench's own build step finds it built)
     x bash "$REPO/benchmarks/libaio_build.sh" build "$(ls "$REPO"/.aio/libaio-*.tar.gz | head -1)" /tmp/aio
-    x python3 -c 'from zipmoe.runtime.bench import deepspeed_engine as d
-d.use_libaio(d.check_libaio("/tmp/aio"))
-d.prepare("cuda", print, 280, "nvme")'
+    x bash "$REPO/benchmarks/libaio_build.sh" check /tmp/aio "$WORK/aio-check"
 }
 
-paper_llamacpp() {  # llama.cpp's own converter (carried in .lcp/convert) and its CPU build (.lcp/site): the GGUF, then a bench
+paper_llamacpp() {  # llama.cpp's own converter (carried in .lcp/) and a CPU build of llama-cpp-python (.lcp/dist/, built on the
+    # CPU box with GGML_NATIVE=OFF and AVX2, FMA, F16C: the GPU box's sitting has no time for a CUDA build): the GGUF, then a bench
     local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
-    x env PYTHONPATH="$REPO/.lcp/site:$PYTHONPATH" zipmoe bench "$WORK/$t.zmoe" --engine llama.cpp --budget "$b" --batch 1 --new-tokens 32 \
-        --source "$WORK/$t-src" --llama-cpp-source "$REPO/.lcp/convert" --device cpu --workload corpus --cold --runs 1 \
+    local more=(); on_box && more=("$REPO"/.lcp/wheels/*.whl)  # sentencepiece, diskcache for the box's Python 3.12
+    x python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lcp-site \
+        "$REPO"/.lcp/dist/llama_cpp_python-*.whl "${more[@]}"
+    x env PYTHONPATH="/tmp/lcp-site${PYTHONPATH:+:$PYTHONPATH}" zipmoe bench "$WORK/$t.zmoe" --engine llama.cpp --budget "$b" --batch 1 --new-tokens 32 \
+        --source "$WORK/$t-src" --llama-cpp-source "$REPO/.lcp" --device cpu --workload corpus --cold --runs 1 \
         --work-dir "$WORK/$t-work" --time-limit "$ACC_TIME_LIMIT" --engine-timeout 240 $BENCH_EXTRA --json "$WORK/$t-llamacpp.json"
+    x rm -rf "$WORK/$t-work/gguf"  # 8.6 GiB: the disk needs it for the next model
 }
 
 paper_report() {  # both models' tables from their JSONs: markdown, JSON and a plot into WORK

@@ -80,13 +80,13 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
         con.print(f"  plot: {plot_path}")
 
 
-def _paper(doc: dict, show: bool, json_path: Optional[Path], plot_path: Optional[Path]) -> None:
+def _paper(docs: list, show: bool, json_path: Optional[Path], plot_path: Optional[Path], md_path: Optional[Path] = None) -> None:
     """The paper's tables from the results (runtime/bench/tables.py), when asked for."""
-    if not (show or json_path or plot_path):
+    if not (show or json_path or plot_path or md_path):
         return
     from zipmoe.runtime.bench import tables
 
-    tables.emit(doc, show=show, json_path=json_path, plot_path=plot_path)
+    tables.emit_all(docs, show=show, json_path=json_path, plot_path=plot_path, md_path=md_path)
 
 
 def bench(
@@ -123,7 +123,7 @@ def bench(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Hardware profile from `zipmoe plan --profile-only --profile FILE` (its disk bandwidth sets the I/O floor)."),
     trace_out: Optional[Path] = typer.Option(None, "--trace-out", help="Record the zipmoe engine's activation trace here (for `zipmoe plan --trace`)."),
     merge: bool = typer.Option(False, "--merge", help="Add to the results already in --json (resumable stages) instead of starting afresh."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Only print the table (and --plot) of an existing bench JSON."),
+    report: List[Path] = typer.Option([], "--report", help="Only print the table (and --plot) of an existing bench JSON; repeatable with --paper*: the paper's tables of several models (and their --pressure runs) from one command."),
     compact: bool = typer.Option(False, "--compact", help="A narrow table: TPOT, its ratio to the I/O floor and to each baseline."),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="A bf16 GGUF of the model for the llama.cpp baseline (else converted from the source once by llama.cpp's convert_hf_to_gguf.py)."),
     llama_cpp_source: Optional[Path] = typer.Option(None, "--llama-cpp-source", metavar="DIR", help="The folder with llama.cpp's convert_hf_to_gguf.py and gguf-py/ for the llama.cpp baseline's conversion: a llama.cpp checkout, an unpacked llama-cpp-python sdist or `python -m zipmoe.runtime.bench.llamacpp_convert fetch DIR`'s folder. Default: $ZIPMOE_BENCH_LLAMA_CPP_SOURCE, else the cache's, fetched once from the installed llama-cpp-python's sdist."),
@@ -131,6 +131,8 @@ def bench(
     paper: bool = typer.Option(False, "--paper", help="Also print the paper's tables (TTFT/TPOT, throughput by batch, latency by length, ablation) from the results."),
     paper_json: Optional[Path] = typer.Option(None, "--paper-json", help="Write the paper's tables as JSON here."),
     paper_plot: Optional[Path] = typer.Option(None, "--paper-plot", help="PNG of the paper's tables (needs matplotlib)."),
+    paper_md: Optional[Path] = typer.Option(None, "--paper-md", help="Write the paper's tables as markdown here (what docs/benchmarks.md quotes)."),
+    pressure: Optional[str] = typer.Option(None, "--pressure", metavar="SIZE", help="Memory pressure (the paper's experiment with host memory occupied): while the engines run, occupy the host's memory until only SIZE stays available to them and the page cache; recorded, and the paper's tables compare these runs with the same engines' runs without it."),
     deepspeed_offload: Optional[str] = typer.Option(None, "--deepspeed-offload", metavar="auto|nvme|cpu", help="Where the deepspeed baseline offloads its parameters: nvme (fails with one line where DeepSpeed's async_io op cannot be built), cpu (outside the budget), auto (nvme where it can be built; the default). Default: $ZIPMOE_BENCH_DEEPSPEED_OFFLOAD."),
     deepspeed_build_timeout: Optional[float] = typer.Option(None, "--deepspeed-build-timeout", metavar="SECONDS", help="Time limit for building DeepSpeed's async_io op (default: $ZIPMOE_BENCH_DEEPSPEED_BUILD_TIMEOUT, else 1800)."),
     deepspeed_libaio: Optional[Path] = typer.Option(None, "--deepspeed-libaio", metavar="PREFIX", help="A libaio installed into PREFIX (include/libaio.h, lib/libaio.so: benchmarks/libaio_build.sh build makes one) for DeepSpeed's async_io op, where the machine has no libaio-dev; the op's build and the engines' workers get the compiler and loader paths to it. Default: $ZIPMOE_BENCH_DEEPSPEED_LIBAIO."),
@@ -142,10 +144,13 @@ def bench(
     from zipmoe.runtime.bench import run as bench_run
     from zipmoe.units import parse_size
 
-    if report is not None:
-        doc = bench_run.finalize(bench_run.load_results(report))
-        _print_report(doc, plot, compact)
-        _paper(doc, paper, paper_json, paper_plot)
+    if report:
+        docs = [bench_run.finalize(bench_run.load_results(r)) for r in report]
+        if len(docs) > 1 and not (paper or paper_json or paper_plot or paper_md):
+            raise UsageError("several --report files go into the paper's tables: add --paper, --paper-json, --paper-md or --paper-plot")
+        if len(docs) == 1:
+            _print_report(docs[0], plot, compact)
+        _paper(docs, paper, paper_json, paper_plot, paper_md)
         return
     if file is None:
         raise UsageError("give the .zmoe container to benchmark (or --report out.json)")
@@ -182,6 +187,10 @@ def bench(
         raise UsageError(f"--threads must not be negative, got {threads}")
     if engine_timeout < 0:
         raise UsageError(f"--engine-timeout must not be negative, got {engine_timeout:g}")
+    if pressure is not None:
+        from zipmoe.runtime.bench.pressure import check_leave
+
+        check_leave(parse_size(pressure))
     from zipmoe.runtime.bench.deepspeed_engine import check_libaio, check_offload, use_libaio
     from zipmoe_cli.env import cache_dir, deepspeed_env, deepspeed_libaio_env, engine_env, llama_cpp_source_env, moe_infinity_site_env
 
@@ -205,7 +214,7 @@ def bench(
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,
-        gguf=gguf, llama_cpp_source=llama_cpp_source or llama_cpp_source_env(), engine_timeout_s=engine_timeout or None, moe_infinity_site=moe_infinity_site or moe_infinity_site_env(),
+        gguf=gguf, llama_cpp_source=llama_cpp_source or llama_cpp_source_env(), engine_timeout_s=engine_timeout or None, pressure=parse_size(pressure) if pressure else None, moe_infinity_site=moe_infinity_site or moe_infinity_site_env(),
         readers=zipmoe_env.get("readers"), prefetch=zipmoe_env.get("prefetch"), deepspeed_offload=ds_offload,
         deepspeed_build_timeout_s=ds_timeout, deepspeed_load_in_budget=ds_in_budget, cache_dir=cache_dir(),
     )
@@ -216,7 +225,7 @@ def bench(
     err = Console(stderr=True)
     doc, errors = bench_run.run_bench(cfg, log=lambda m: err.print(f"[dim]{m}[/dim]"), progress_factory=_Progress)
     _print_report(doc, plot if doc.get("summary") else None, compact)
-    _paper(doc, paper, paper_json, paper_plot)
+    _paper([doc], paper, paper_json, paper_plot, paper_md)
     if json_out is not None:
         Console().print(f"  results: {json_out}", style="dim")
     exc = bench_run.first_error_exception(errors)
