@@ -478,6 +478,8 @@ paper_baselines() {  # accelerate and deepspeed at both budgets on the source (c
     stage "$t-baselines" 600 zipmoe bench "$WORK/$t.zmoe" --engine accelerate --engine deepspeed "${budgets[@]}" --batch 1 \
         --new-tokens 32 --source "$WORK/$t-src" $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" \
         $([ "${PAPER_AIO:-1}" != 0 ] && echo --deepspeed-libaio /tmp/aio) --json "$WORK/$t.json" --merge
+    # DeepSpeed's NVMe swap folders hold the whole model once per budget: 17 GiB for DeepSeek's cut
+    stage "$t-rmoffload" 60 rm -rf "$WORK/$t-work/offload"
 }
 
 paper_more() {  # the throughput and length tables: zipmoe at the larger budget, batch 4 and 16, 32 and 512 new tokens
@@ -495,6 +497,7 @@ print(parse_size(sys.argv[1]) + parse_size(sys.argv[2]))' "$b" "${PAPER_LEAVE:-6
     local plan=(); { [ -e "$WORK/$t-plan-$b.json" ] || [ -n "$DRY" ]; } && plan=(--plan "$WORK/$t-plan-$b.json")
     x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" "${plan[@]}" --batch 1 \
         --new-tokens 32 $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" --pressure "$leave" --json "$WORK/$t-pressure.json"
+    x rm -rf "$WORK/$t-work/offload"
 }
 
 paper_aio() {  # libaio (carried as source in .aio/) into /tmp/aio; DeepSpeed's async_io op built against it
