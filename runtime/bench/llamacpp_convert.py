@@ -17,7 +17,8 @@ holds it (:func:`resolve_converter`), in this order:
 The converter runs in a subprocess of this Python (runtime/bench/llamacpp_launch.py says how),
 ``--outtype bf16``: bf16 matrices are copied bit for bit, norms and routers become float32 (exact).
 It reads a *view* of the checkpoint (:func:`make_view`, a temporary folder; the source is never
-written), which differs from the source only where the converter cannot read it:
+written), which differs from the source only where the converter cannot read it, or llama.cpp
+the file it writes:
 
 - ``config.json`` with ``q_lora_rank: 0`` for a DeepSeek-V2 without one whose layer count is not
   V2-Lite's (:func:`_view_config`): llama.cpp would refuse the file;
@@ -369,7 +370,7 @@ def _write_split(src: Path, view: Path, config: dict, family, weight_map: dict) 
         weight_map.update(dict.fromkeys(dense, out))
 
 
-def make_view(source: Path, view: Path, log=lambda m: None) -> list[str]:
+def make_view(source: Path, view: Path) -> list[str]:
     """The checkpoint as the converter reads it, in ``view`` (links to the source's files, adjusted
     where the module docstring says). Returns what was adjusted, one phrase each."""
     from safetensors import safe_open
@@ -453,7 +454,7 @@ def convert(source: Path, out: Path, converter: Path, log=lambda m: None) -> Pat
     env["HF_HUB_OFFLINE"] = "1"
     launcher = Path(__file__).with_name("llamacpp_launch.py")
     with tempfile.TemporaryDirectory(prefix=".view-", dir=out.parent) as view:
-        for note in make_view(source, Path(view), log):
+        for note in make_view(source, Path(view)):
             log(f"  view for the converter: {note}")
         cmd = [sys.executable, str(launcher), str(converter), str(view), "--outfile", str(tmp), "--outtype", "bf16"]
         try:
