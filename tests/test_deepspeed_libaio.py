@@ -7,10 +7,12 @@ The option's one-line errors, the environment it sets and the script's refusals 
 on fake prefixes. Building libaio needs its source, the tarball ``.aio/libaio-0.3.113.tar.gz``
 (``benchmarks/libaio_build.sh bundle``, from a clone of libaio; ignored by git): CI has no copy
 (it reaches only the package registries, and no PyPI package ships libaio.so with libaio.h), so
-there the slow tests below skip. Where the tarball is, they build libaio into ``.aio/prefix``
-(seconds) and run the tiny Mixtral with ``--deepspeed-offload nvme --deepspeed-libaio`` on the
-CPU; the async_io op is JIT-built once into ``.aio/torch_extensions`` (about 6 minutes of g++ on
-two cores; later runs load it).
+there the slow tests below skip. Where the tarball is, they build libaio into
+``build/libaio-test/prefix`` (seconds) and run the tiny Mixtral with ``--deepspeed-offload nvme
+--deepspeed-libaio`` on the CPU; the async_io op is JIT-built once into
+``build/libaio-test/torch_extensions`` (about 6 minutes of g++ on two cores; later runs load it).
+Both are ignored by git and outside ``.aio``, the folder carried to the GPU box (the op's build
+folder is 140 MB).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from zipmoe.runtime.bench import deepspeed_engine
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "libaio_build.sh"
 TARBALL = ROOT / ".aio" / "libaio-0.3.113.tar.gz"
+CACHE = ROOT / "build" / "libaio-test"
 VARS = ("CFLAGS", "LDFLAGS", "CPATH", "LIBRARY_PATH", "LD_RUN_PATH", "LD_LIBRARY_PATH")
 needs_tarball = pytest.mark.skipif(not TARBALL.exists(), reason=f"no {TARBALL.relative_to(ROOT)} (benchmarks/libaio_build.sh bundle "
                                                                   "makes it from a clone of libaio; CI has none)")
@@ -172,8 +176,8 @@ def test_deepspeed_env_reads_the_libaio_prefix(tmp_path):
 
 @pytest.fixture(scope="module")
 def prefix():
-    """libaio built from the tarball into .aio/prefix (kept: the cached op's RUNPATH names it)."""
-    p = ROOT / ".aio" / "prefix"
+    """libaio built from the tarball into build/libaio-test/prefix (kept: the cached op's RUNPATH names it)."""
+    p = CACHE / "prefix"
     if not (p / "lib" / "libaio.so").exists():
         r = _script("build", TARBALL, p, env=dict(os.environ))
         assert r.returncode == 0, r.stderr[-2000:]
@@ -201,7 +205,10 @@ def test_deepspeed_nvme_offload_with_the_built_libaio(prefix, tmp_path, capsys, 
 
     synth.write("mixtral", tmp_path / "mx", preset="tiny", seed=0, force=True, progress=False)
     pack(tmp_path / "mx", tmp_path / "mx.zmoe")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ROOT / ".aio" / "torch_extensions"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(CACHE / "torch_extensions"))
+    # one ninja however pytest was started (pip's, beside the interpreter, else the system's):
+    # ninja 1.11 and 1.13 take each other's build logs for stale and compile the op again
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     code, cap, doc = _bench(tmp_path, "deepspeed", capsys, "ds-nvme-libaio", "--deepspeed-offload", "nvme",
                             "--deepspeed-libaio", str(prefix), "--deepspeed-build-timeout", "800")
     assert code == 0, cap.err[-3000:]
