@@ -504,7 +504,11 @@ paper_aio() {  # libaio (carried as source in .aio/) into /tmp/aio; DeepSpeed's 
     # (check: DeepSpeed's op JIT-built against it into torch's extension cache, and an aio round trip, so
     # that bench's own build step finds it built)
     x bash "$REPO/benchmarks/libaio_build.sh" build "$(ls "$REPO"/.aio/libaio-*.tar.gz | head -1)" /tmp/aio
-    x bash "$REPO/benchmarks/libaio_build.sh" check /tmp/aio "$WORK/aio-check"
+    # (the image's TORCH_CUDA_ARCH_LIST held 9.0a, which DeepSpeed 0.19 cannot parse: bench passes it the plain capability, so does this)
+    x env TORCH_CUDA_ARCH_LIST="$(python3 -c 'import os
+from zipmoe.runtime.bench.deepspeed_engine import deepspeed_arch_list as f
+v = os.environ.get("TORCH_CUDA_ARCH_LIST")
+print(f(v) or v or "")')" bash "$REPO/benchmarks/libaio_build.sh" check /tmp/aio "$WORK/aio-check"
 }
 
 paper_llamacpp() {  # llama.cpp's own converter (carried in .lcp/) and a CPU build of llama-cpp-python (.lcp/dist/, built on the

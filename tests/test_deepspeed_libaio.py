@@ -218,3 +218,18 @@ def test_deepspeed_nvme_offload_with_the_built_libaio(prefix, tmp_path, capsys, 
     assert info["libaio"] == [str(prefix / "lib" / "libaio.so.1.0.2")]  # the op found it (its RUNPATH, LD_LIBRARY_PATH)
     assert ds["runs"][0]["generated"] == 4
     assert doc["token_check"]["same"], doc["token_check"]  # the same greedy tokens as zipmoe
+
+
+def test_arch_list_suffixes_become_what_deepspeed_parses(monkeypatch):
+    """The H200 box's TORCH_CUDA_ARCH_LIST held '9.0a': DeepSpeed 0.19.8's op builder stopped with
+    `invalid literal for int() with base 10: '0a'` (docs/benchmarks.md §27). bench hands it the
+    plain capability, keeps +PTX, and changes nothing it can already read."""
+    from zipmoe.runtime.bench import deepspeed_engine as d
+
+    assert d.deepspeed_arch_list("9.0a") == "9.0"
+    assert d.deepspeed_arch_list("8.0 9.0a 10.0f+PTX") == "8.0;9.0;10.0+PTX"
+    assert d.deepspeed_arch_list("9.0") is None and d.deepspeed_arch_list("8.6;9.0+PTX") is None
+    assert d.deepspeed_arch_list(None) is None and d.deepspeed_arch_list("") is None
+    # what DeepSpeed's own parser does with the result (builder.compute_capability_args' sort key)
+    for cc in d.deepspeed_arch_list("9.0a;10.0f+PTX").split(";"):
+        tuple(int(part.split("+")[0]) for part in cc.split("."))

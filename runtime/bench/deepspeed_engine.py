@@ -201,6 +201,26 @@ def build_ops(device: str, offload: str | None = None) -> list[str]:
     return built
 
 
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19's op builder can read it: it parses each entry
+    as numbers (``int("0a")`` fails), so the architecture-specific suffixes CUDA 12+ images use
+    (``9.0a``, ``10.0f``) become the plain compute capability (``9.0``: the op is plain C++ and
+    CUDA runtime calls, nothing Hopper-specific); ``+PTX`` is kept. None when nothing changes."""
+    if not value:
+        return None
+    out = []
+    for cc in value.replace(" ", ";").split(";"):
+        cc = cc.strip()
+        if not cc:
+            continue
+        ptx = cc.endswith("+PTX")
+        base = cc[:-4] if ptx else cc
+        base = ".".join("".join(ch for ch in part if ch.isdigit()) or "0" for part in base.split("."))
+        out.append(base + ("+PTX" if ptx else ""))
+    fixed = ";".join(dict.fromkeys(out))
+    return fixed if fixed != value else None
+
+
 def prepare(device: str, log, timeout_s: float | None = None, offload: str | None = None) -> None:
     """Build DeepSpeed's NVMe ops in a process of its own (outside the memory cgroups), once per
     machine (torch caches them under ``TORCH_EXTENSIONS_DIR``, by default ~/.cache/torch_extensions).
@@ -218,6 +238,10 @@ def prepare(device: str, log, timeout_s: float | None = None, offload: str | Non
     if check_offload(offload) == "cpu":
         return
     timeout_s = timeout_s or BUILD_TIMEOUT_S
+    fixed = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if fixed is not None:  # inherited by the build process and every worker (their JIT load computes the same flags)
+        log(f"deepspeed: TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} read as {fixed!r} (DeepSpeed cannot parse suffixes)")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
     log("deepspeed: building its async-I/O ops (once per machine, cached by torch's extension builder)")
     proc = subprocess.Popen([sys.executable, "-m", __name__, device] + ([offload] if offload else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
