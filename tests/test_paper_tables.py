@@ -55,6 +55,10 @@ def test_several_models_and_their_pressure_runs_in_one_set_of_tables():
     assert lat["llama.cpp"]["tpot_s"]["value"] == pytest.approx(0.9)
     assert any(n.startswith("llama.cpp: measured with --device cpu (the other engines: cuda)") for n in ds["notes"])
     pr = {r["engine"]: r for r in ds["tables"]["pressure"]["rows"]}
+    # an engine whose run without pressure had another length: its own longest, marked @N
+    ap2 = _doc("A", [_run("zipmoe", 0.12, n=32)], pressure={"leave_bytes": 1 << 30, "held_to_the_end": True})
+    pz = tables.build_all([a2, ap2])["tables"]["pressure"]["rows"][0]
+    assert pz["tpot_s"]["value"] == pytest.approx(0.1) and pz["tpot_s"]["new_tokens"] == 8 and pz["new_tokens"] == 32
     assert pr["accelerate"]["slowdown"] == pytest.approx(2.5) and pr["zipmoe"]["slowdown"] == pytest.approx(1.2)
     assert "100 G occupied" in ds["tables"]["pressure"]["title"]
     assert "pressure" not in sw["tables"] and sw["tables"]["latency"]["encoder_decoder"]

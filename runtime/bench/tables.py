@@ -260,8 +260,15 @@ def pressure_table(normal: dict | None, pressed: dict) -> dict:
         both = [c for c in mine if (e, bud) + c in n_rows]
         b1 = [c for c in (both or mine) if c[0] == 1] or (both or mine)
         case = max(b1, key=lambda c: c[1]) if b1 else (1, 0)
-        cells = {"tpot_s": _cell(st_n, n_rows, e, bud, case, "tpot_s"), "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"),
-                 "ttft_s": _cell(st_n, n_rows, e, bud, case, "ttft_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
+        ncase = case  # without pressure: the same case, else that engine's longest run at the batch (@N: TPOT is per token)
+        if (e, bud) + case not in n_rows:
+            own = [k[3] for k in n_rows if k[:3] == (e, bud, case[0])]
+            ncase = (case[0], max(own)) if own else case
+        cells = {"tpot_s": _cell(st_n, n_rows, e, bud, ncase, "tpot_s"), "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"),
+                 "ttft_s": _cell(st_n, n_rows, e, bud, ncase, "ttft_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
+        if ncase != case:
+            for k in ("tpot_s", "ttft_s"):
+                cells[k]["new_tokens"] = ncase[1]
         a, b = cells["tpot_s"]["value"], cells["tpot_pressure_s"]["value"]
         out.append({"engine": e, "budget": bud, "batch": case[0], "new_tokens": case[1], **cells,
                     "slowdown": (b / a) if (a and b) else None})
