@@ -263,3 +263,33 @@ def test_paper_tables_a_merged_rerun_replaces_the_failure():
     t = tables.build(doc)
     cell = next(r for r in t["tables"]["e2e"]["rows"] if r["engine"] == "deepspeed")["by_new_tokens"]["4"]
     assert cell["value"] is not None and not any("deepspeed @" in n and "cannot run" in n for n in t["notes"])
+
+
+def test_llamacpp_evicts_its_gguf_before_mapping_it(tmp_path, monkeypatch):
+    """Cold: the GGUF leaves the page cache before llama.cpp maps it (pages written by the
+    conversion are charged to bench's process and a mapped page cannot be evicted later), so its
+    reads are charged to its own cgroup. Warm: left alone."""
+    import types
+
+    from zipmoe.runtime.bench import cold, llamacpp_engine
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    order = []
+
+    class FakeLlama:
+        def __init__(self, **kw):
+            order.append("map")
+
+        def n_vocab(self):
+            return 8
+
+    monkeypatch.setattr(llamacpp_engine, "import_llama_cpp", lambda: types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(cold, "fadvise_dontneed", lambda paths: order.append(("evict", [str(p) for p in paths])) or 1)
+    spec = {"gguf": str(gguf), "cases": [{"input_ids": [[1, 2]], "new_tokens": 2}], "device": "cpu", "cold": True}
+    info = {}
+    llamacpp_engine.LlamaCppModel(spec, info)
+    assert order == [("evict", [str(gguf)]), "map"] and info["evicted_before_load"]
+    order.clear()
+    llamacpp_engine.LlamaCppModel({**spec, "cold": False}, {})
+    assert order == ["map"]

@@ -81,6 +81,16 @@ class LlamaCppModel:
         kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=max(32, min(512, longest)), n_threads=threads,
                   n_threads_batch=threads, use_mmap=True, use_mlock=False, n_gpu_layers=-1 if spec["device"] == "cuda" else 0,
                   logits_all=False, verbose=False, seed=0)
+        if spec.get("cold"):
+            # the file out of the page cache *before* it is mapped: the pages the runs fault in are then
+            # charged to this worker's cgroup (its budget), and cold runs read them from disk. Pages
+            # left from the conversion (written by bench's process, charged to its cgroup) would
+            # otherwise serve every run, and the per-run cold step cannot evict pages a process maps
+            # (the H200 sitting of 4 Dec: 0 bytes read per token, RSS 9.1 GiB at a 5.31 GiB budget).
+            from zipmoe.runtime.bench.cold import fadvise_dontneed
+
+            os.sync()
+            info["evicted_before_load"] = bool(fadvise_dontneed([path]))
         self.llm = llama_cpp.Llama(**kw)
         self._lib = llama_cpp
         self.n_vocab = self.llm.n_vocab()
