@@ -128,3 +128,17 @@ def test_latency_at_the_length_most_engines_ran_and_the_others_at_their_own():
     assert lat["accelerate"]["tpot_s"]["value"] == pytest.approx(2.0) and lat["accelerate"]["tpot_s"]["new_tokens"] == 32
     md = tables.markdown(t)
     assert "| accelerate | 400 M | 500.0 ms @32 | 2.00 s @32 |" in md and "@N:" in md
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    from zipmoe_cli.app import main
+
+    p = tmp_path / "A.json"
+    p.write_text(json.dumps(_doc("A", [_run("zipmoe", 0.1)])))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for opt in ("--paper-md", "--paper-json"):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "--report", str(p), opt, str(blocker / "x")])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{opt} {blocker / 'x'}: cannot write it" in err and "internal error" not in err

@@ -514,14 +514,15 @@ def _emit(tables: dict, show, json_path, plot_path, console, md_path) -> dict:
 
             console = Console(width=None if sys.stdout.isatty() else 200)
         render(tables, console)
-    if json_path is not None:
-        p = Path(json_path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(tables, indent=1))
-    if md_path is not None:
-        p = Path(md_path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(markdown(tables))
+    for opt, path, text in (("--paper-json", json_path, lambda: json.dumps(tables, indent=1)), ("--paper-md", md_path, lambda: markdown(tables))):
+        if path is None:
+            continue
+        p = Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text())
+        except OSError as exc:
+            raise UsageError(f"{opt} {p}: cannot write it ({exc.strerror or exc})") from None
     if plot_path is not None:
         plot(tables, plot_path)
     return tables
