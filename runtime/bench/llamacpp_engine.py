@@ -87,10 +87,9 @@ class LlamaCppModel:
             # left from the conversion (written by bench's process, charged to its cgroup) would
             # otherwise serve every run, and the per-run cold step cannot evict pages a process maps
             # (the H200 sitting of 4 Dec: 0 bytes read per token, RSS 9.1 GiB at a 5.31 GiB budget).
-            from zipmoe.runtime.bench.cold import fadvise_dontneed
+            from zipmoe.runtime.bench.cold import make_cold
 
-            os.sync()
-            info["evicted_before_load"] = bool(fadvise_dontneed([path]))
+            info["evicted_before_load"] = make_cold([path], allow_drop_caches=False) == "fadvise"
         self.llm = llama_cpp.Llama(**kw)
         self._lib = llama_cpp
         self.n_vocab = self.llm.n_vocab()
