@@ -47,6 +47,6 @@ def combine(docs: list[dict]) -> dict:
             out["results"] = [r for r in out["results"] if (r.get("engine"), r.get("budget")) != key] + [res]
         out["errors"] = list(out.get("errors") or []) + list(d.get("errors") or [])
         out["configs"] = list(out.get("configs") or []) + list(d.get("configs") or [])
-        if d.get("disk_bw"):
-            out.setdefault("disk_bw", d["disk_bw"])
+        if d.get("disk_bw") and not out.get("disk_bw"):  # the first document's measure, else the first there is
+            out["disk_bw"] = d["disk_bw"]
     return out

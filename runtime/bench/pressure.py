@@ -65,10 +65,9 @@ class Ballast:
     """``with Ballast(leave_bytes) as b:`` occupies the host's memory but ``leave_bytes``;
     ``b.record`` is what the bench document keeps (``doc["pressure"]``)."""
 
-    def __init__(self, leave_bytes: int, log=print, timeout_s: float = 900.0) -> None:
+    def __init__(self, leave_bytes: int, log=print) -> None:
         self.leave = int(leave_bytes)
         self.log = log
-        self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
         self.record: dict = {}
 

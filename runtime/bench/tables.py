@@ -104,6 +104,22 @@ def _cell(doc_status: dict, rows: dict, engine: str, budget, key: tuple, metric:
     return {"value": None, "text": "not measured", "flag": flag}
 
 
+def _per_token_cells(status: dict, rows: dict, engine: str, budget, case: tuple, metrics: tuple) -> dict:
+    """The cells of per-token figures at ``case`` (batch, new tokens); an engine that did not run
+    it shows its own longest run at that batch, the cells marked with its length (``new_tokens``,
+    rendered ``@N``): a time per token or to the first token compares across lengths."""
+    b = _budget_of(engine, budget)
+    if (engine, b) + case not in rows:
+        own = [k[3] for k in rows if k[:3] == (engine, b, case[0])]
+        if own:
+            case = (case[0], max(own))
+            cells = {m: _cell(status, rows, engine, budget, case, m) for m in metrics}
+            for c in cells.values():
+                c["new_tokens"] = case[1]
+            return cells
+    return {m: _cell(status, rows, engine, budget, case, m) for m in metrics}
+
+
 def _index(summary: list[dict]) -> dict:
     return {(r["engine"], r.get("budget"), r["batch"], r["new_tokens"]): r for r in summary}
 
@@ -168,15 +184,7 @@ def build(doc: dict) -> dict:
     lat = []
     for e in engines:
         for bud in ([None] if e == "resident" else budgets):
-            case = (bt, nt)
-            if (e, _budget_of(e, bud)) + case not in rows:
-                own = [n for (ee, bb, b, n) in rows if ee == e and bb == _budget_of(e, bud) and b == bt]
-                case = (bt, max(own)) if own else case
-            cells = {m: _cell(status, rows, e, bud, case, m) for m in ("ttft_s", "tpot_s")}
-            if case[1] != nt:
-                for c in cells.values():
-                    c["new_tokens"] = case[1]
-            lat.append({"engine": e, "budget": bud, **cells})
+            lat.append({"engine": e, "budget": bud, **_per_token_cells(status, rows, e, bud, (bt, nt), ("ttft_s", "tpot_s"))})
     encdec = _encoder_decoder(doc)
     kind = ("encoder-decoder: TTFT is the encoder's pass over the prompt and the first decoder step, TPOT a decoder step"
             if encdec else "decoder-only")
@@ -260,15 +268,8 @@ def pressure_table(normal: dict | None, pressed: dict) -> dict:
         both = [c for c in mine if (e, bud) + c in n_rows]
         b1 = [c for c in (both or mine) if c[0] == 1] or (both or mine)
         case = max(b1, key=lambda c: c[1]) if b1 else (1, 0)
-        ncase = case  # without pressure: the same case, else that engine's longest run at the batch (@N: TPOT is per token)
-        if (e, bud) + case not in n_rows:
-            own = [k[3] for k in n_rows if k[:3] == (e, bud, case[0])]
-            ncase = (case[0], max(own)) if own else case
-        cells = {"tpot_s": _cell(st_n, n_rows, e, bud, ncase, "tpot_s"), "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"),
-                 "ttft_s": _cell(st_n, n_rows, e, bud, ncase, "ttft_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
-        if ncase != case:
-            for k in ("tpot_s", "ttft_s"):
-                cells[k]["new_tokens"] = ncase[1]
+        cells = {**_per_token_cells(st_n, n_rows, e, bud, case, ("tpot_s", "ttft_s")),  # without pressure
+                 "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
         a, b = cells["tpot_s"]["value"], cells["tpot_pressure_s"]["value"]
         out.append({"engine": e, "budget": bud, "batch": case[0], "new_tokens": case[1], **cells,
                     "slowdown": (b / a) if (a and b) else None})
