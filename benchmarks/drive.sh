@@ -465,10 +465,13 @@ paper_plan() {  # the profile; the first budget's plan calibrates (and records t
     done
 }
 
+paper_plan_arg() {  # paper_plan_arg TAG BUDGET: --plan FILE once paper_plan made that budget's plan (under --dry-run: always)
+    if [ -e "$WORK/$1-plan-$2.json" ] || [ -n "$DRY" ]; then echo --plan "$WORK/$1-plan-$2.json"; fi
+}
+
 paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at BUDGET (with its plan once made), into WORK/TAG.json
-    local t=$1 b=$2 plan=(); shift 2
-    { [ -e "$WORK/$t-plan-$b.json" ] || [ -n "$DRY" ]; } && plan=(--plan "$WORK/$t-plan-$b.json")
-    x zipmoe bench "$WORK/$t.zmoe" --budget "$b" "${plan[@]}" $(paper_common "$t") --time-limit 120 \
+    local t=$1 b=$2; shift 2
+    x zipmoe bench "$WORK/$t.zmoe" --budget "$b" $(paper_plan_arg "$t" "$b") $(paper_common "$t") --time-limit 120 \
         --json "$WORK/$t.json" --merge "$@"
 }
 
@@ -494,8 +497,7 @@ paper_pressure() {  # the memory-pressure case: zipmoe and accelerate at the sma
     leave=$([ -n "$DRY" ] && echo "BUDGET+${PAPER_LEAVE:-6G}" || python3 -c 'import sys
 from zipmoe.units import parse_size
 print(parse_size(sys.argv[1]) + parse_size(sys.argv[2]))' "$b" "${PAPER_LEAVE:-6G}")
-    local plan=(); { [ -e "$WORK/$t-plan-$b.json" ] || [ -n "$DRY" ]; } && plan=(--plan "$WORK/$t-plan-$b.json")
-    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" "${plan[@]}" --batch 1 \
+    x zipmoe bench "$WORK/$t.zmoe" --engine zipmoe --engine accelerate --budget "$b" $(paper_plan_arg "$t" "$b") --batch 1 \
         --new-tokens 32 $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" --pressure "$leave" --json "$WORK/$t-pressure.json"
     x rm -rf "$WORK/$t-work/offload"
 }
