@@ -370,24 +370,27 @@ def _write_split(src: Path, view: Path, config: dict, family, weight_map: dict) 
         weight_map.update(dict.fromkeys(dense, out))
 
 
-def make_view(source: Path, view: Path) -> list[str]:
+def make_view(source: Path, view: Path, config: dict | None = None) -> list[str]:
     """The checkpoint as the converter reads it, in ``view`` (links to the source's files, adjusted
-    where the module docstring says). Returns what was adjusted, one phrase each."""
+    where the module docstring says; ``config``: the source's config.json, read when not given).
+    Returns what was adjusted, one phrase each."""
     from safetensors import safe_open
 
     from zipmoe.codecs.naming import classify
 
     source, view = Path(source), Path(view)
-    config = _config(source)
+    config = _config(source) if config is None else config
     view.mkdir(parents=True, exist_ok=True)
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise GGUFError(f"GGUF conversion failed: no .safetensors files in {source}")
     notes = []
     fused = set()
+    names: dict[Path, list[str]] = {}  # each shard's tensor names, for the index of the linked ones
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            if any(classify(n, tuple(st.get_slice(n).get_shape()), config).fused for n in st.keys()):
+            names[f] = list(st.keys())
+            if any(classify(n, tuple(st.get_slice(n).get_shape()), config).fused for n in names[f]):
                 fused.add(f)
     mt = config.get("model_type")
     family = None
@@ -413,8 +416,7 @@ def make_view(source: Path, view: Path) -> list[str]:
             _write_split(f, view, config, family, weight_map)
             continue
         (view / f.name).symlink_to(f.resolve())
-        with safe_open(str(f), framework="pt") as st:
-            weight_map.update(dict.fromkeys(st.keys(), f.name))
+        weight_map.update(dict.fromkeys(names[f], f.name))
     if family is not None:
         notes.append(f"fused experts written per expert ({mt}'s converter reads per-expert tensors only)")
     (view / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
@@ -446,7 +448,8 @@ def convert(source: Path, out: Path, converter: Path, log=lambda m: None) -> Pat
     """``source`` (a safetensors folder) as a bf16 GGUF at ``out``, written by the converter in
     ``converter`` in a subprocess (atomically: a temporary name, renamed when it succeeded)."""
     source, out, converter = Path(source), Path(out), Path(converter)
-    check_convertible(_config(source))
+    config = _config(source)
+    check_convertible(config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     logf = out.with_name(out.name + ".log")
@@ -454,7 +457,7 @@ def convert(source: Path, out: Path, converter: Path, log=lambda m: None) -> Pat
     env["HF_HUB_OFFLINE"] = "1"
     launcher = Path(__file__).with_name("llamacpp_launch.py")
     with tempfile.TemporaryDirectory(prefix=".view-", dir=out.parent) as view:
-        for note in make_view(source, Path(view)):
+        for note in make_view(source, Path(view), config):
             log(f"  view for the converter: {note}")
         cmd = [sys.executable, str(launcher), str(converter), str(view), "--outfile", str(tmp), "--outtype", "bf16"]
         try:
