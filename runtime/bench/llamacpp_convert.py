@@ -56,6 +56,7 @@ import tempfile
 from pathlib import Path
 
 from zipmoe.errors import UsageError
+from zipmoe.units import format_size
 
 GGUF_NAME = "model-bf16.gguf"
 CONVERTER = "convert_hf_to_gguf.py"
@@ -533,11 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size = sum(p.stat().st_size for p in folder.rglob("*")
                if p.is_file() and not p.name.endswith((".tar.gz", ".whl")) and not p.name.startswith("."))
-    print(f"converter: {folder} ({folder_version(folder)}, {size / 2**20:.1f} MiB): zipmoe bench --llama-cpp-source {folder}")
+    print(f"converter: {folder} ({folder_version(folder)}, {format_size(size)}): zipmoe bench --llama-cpp-source {folder}")
     for t in sorted(Path(args.dir).glob("llama_cpp_python-*-trimmed.tar.gz")) if args.sdist else []:
-        print(f"trimmed sdist: {t} ({t.stat().st_size / 2**20:.1f} MiB)")
+        print(f"trimmed sdist: {t} ({format_size(t.stat().st_size)})")
     for w in sorted((Path(args.dir) / "wheels").glob("*.whl")) if args.wheels else []:
-        print(f"wheel: {w} ({w.stat().st_size / 2**20:.1f} MiB)")
+        print(f"wheel: {w} ({format_size(w.stat().st_size)})")
     return 0
 
 
