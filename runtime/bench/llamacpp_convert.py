@@ -145,15 +145,21 @@ def resolve_converter(given: Path | None, cache_dir: Path | None, log=lambda m: 
     return fetch(root / "llama.cpp", version, subfolder=True)
 
 
+def _pip_download(args: list[str], dest: Path, what: str, hint: str = "") -> subprocess.CompletedProcess:
+    """``pip download ARGS --no-deps -d DEST`` (one retry, quiet), its output captured; one line
+    naming ``what`` (then ``hint``) when it does not finish in :data:`PIP_TIMEOUT_S`."""
+    cmd = [sys.executable, "-m", "pip", "download", *args, "--no-deps", "-d", str(dest),
+           "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q"]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise GGUFError(f"pip download {what} did not finish in {PIP_TIMEOUT_S} s{hint}") from None
+
+
 def download_sdist(version: str | None, dest: Path) -> Path:
     """llama-cpp-python's sdist (``version`` or the newest) downloaded by pip into ``dest``."""
     spec = f"{DIST}=={version}" if version else DIST
-    cmd = [sys.executable, "-m", "pip", "download", spec, "--no-deps", "--no-binary", DIST, "-d", str(dest),
-           "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q"]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise GGUFError(f"pip download {spec} did not finish in {PIP_TIMEOUT_S} s: give --llama-cpp-source DIR") from None
+    p = _pip_download([spec, "--no-binary", DIST], dest, spec, ": give --llama-cpp-source DIR")
     found = sorted(Path(dest).glob("llama_cpp_python-*.tar.gz"))
     if p.returncode != 0 or not found:
         err = p.stderr or p.stdout or ""
@@ -175,12 +181,7 @@ EXTRA_WHEELS = ("sentencepiece", "diskcache")
 
 def download_wheels(python: str, dest: Path) -> list[Path]:
     """:data:`EXTRA_WHEELS` as wheels for Python ``python`` (this machine's platform) into ``dest``."""
-    cmd = [sys.executable, "-m", "pip", "download", *EXTRA_WHEELS, "--no-deps", "--only-binary", ":all:", "--python-version", python,
-           "-d", str(dest), "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q"]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise GGUFError(f"pip download {' '.join(EXTRA_WHEELS)} did not finish in {PIP_TIMEOUT_S} s") from None
+    p = _pip_download([*EXTRA_WHEELS, "--only-binary", ":all:", "--python-version", python], dest, " ".join(EXTRA_WHEELS))
     if p.returncode != 0:
         raise GGUFError(f"cannot download {', '.join(EXTRA_WHEELS)} wheels for Python {python}: {_last_line(p.stderr or p.stdout)}")
     return sorted(Path(dest).glob("*.whl"))
