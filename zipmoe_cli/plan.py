@@ -67,7 +67,7 @@ def plan(
     from zipmoe.machine import decode_workers, resolve_device
     from zipmoe.runtime.plan.calibrate import read_prompts, read_recall, record_trace
     from zipmoe.runtime.plan.layout import container_layout
-    from zipmoe.runtime.plan.planner import make_plan
+    from zipmoe.runtime.plan.planner import REPLAY_SHORTLIST, make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
     from zipmoe.runtime.plan.profile import get_profile
     from zipmoe.units import format_size, parse_size
@@ -140,9 +140,17 @@ def plan(
                       f"({prof['compute']['torch_threads']} torch threads)")
         return
 
+    replay = None
+    if traces:  # the recorded routing itself: the best candidates are judged by replaying it (docs/planner.md)
+        from zipmoe.runtime.plan.layout import expert_tensors
+        from zipmoe.runtime.plan.replay import layer_calls_from_trace
+
+        with ContainerReader(path) as reader:
+            replay = (layer_calls_from_trace(traces, layers=layout.sparse_layers),
+                      expert_tensors(reader, compute_itemsize=layout.compute_itemsize))
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
                        profile_path=str(profile) if profile is not None else None,
-                       prefetch_recall=read_recall(traces) if traces else None)
+                       prefetch_recall=read_recall(traces) if traces else None, replay=replay)
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -164,6 +172,12 @@ def plan(
                  if s["basis"] == "decode steps" else "all of them")
         con.print(f"activations: {s['tokens']} tokens from {len(s['files'])} trace(s), counted from {basis}; top-{s['top_k']} "
                   f"ranks take {100 * s['top_k_share']:.0f}% of selections (uniform: {100 * s['top_k'] / s['num_experts']:.0f}%)")
+        sr = result["search"]
+        if sr.get("judged_by") == "replay":
+            con.print(f"hits: the best {REPLAY_SHORTLIST} candidates and the single-pool plans judged by replaying the traces' "
+                      f"{sr['replayed_layer_calls']} layer calls ({sr['replayed_decode_calls']} of decode steps) through the "
+                      "runtime's cache from empty; predictions below are for that routing from a cold start "
+                      "(the rank model's steady state and the routing replayed warm are in plan.json)")
     con.print(f"costs ({result['profile']['source']}, {result['profile']['disk_method']}; as served): disk "
               f"{format_size(c['disk_bw'])}/s + {1e6 * c['disk_latency']:.0f} us, decompress "
               f"{format_size(c['decomp_bw_per_worker'])}/s x {workers} workers, merge {format_size(c['merge_bw'])}/s, "

@@ -26,7 +26,48 @@ import torch
 
 from zipmoe.runtime.engine.staging import cuda_block_bytes, own_device
 
-__all__ = ["SlotArena", "SlotMap"]
+__all__ = ["SlotArena", "SlotMap", "slot_counts", "slot_victim"]
+
+
+def slot_counts(expert_tensors: dict, capacity: int, itemsize: int, cuda: bool = False) -> dict[tuple, int]:
+    """Slots per kind of expert tensor (``(unit name, shape)``) in a full pool of ``capacity``
+    bytes: every tensor when they all fit, else the same fraction of every kind (on CUDA, as the
+    caching allocator rounds each arena, a slot less in the largest arena until they fit).
+    The planner's replay (runtime/plan/replay.py) counts slots with it too."""
+    count: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    for ts in expert_tensors.values():
+        for t in ts:
+            key = (t.name, tuple(t.shape))
+            count[key] = count.get(key, 0) + 1
+            size[key] = t.numel * itemsize
+    total = sum(count[k] * size[k] for k in count)
+
+    def taken(k, n):  # what arena k takes with n slots (on CUDA: as the allocator rounds it)
+        b = n * size[k]
+        return cuda_block_bytes(b) if cuda and b else b
+
+    if sum(taken(k, count[k]) for k in count) <= capacity:
+        return dict(count)
+    ns = {k: min(count[k], int(capacity * (count[k] * size[k]) / max(1, total)) // size[k]) for k in count}
+    while sum(taken(k, ns[k]) for k in ns) > capacity and any(ns.values()):
+        k = max((k for k in ns if ns[k]), key=lambda k: ns[k] * size[k])
+        ns[k] -= 1
+    return ns
+
+
+def slot_victim(cache, owners, uid: int):
+    """The tensor to drop for ``uid`` when its kind has no free slot: among ``owners`` (the uids
+    in that kind's slots), the least used (the cache's count, then last use) that no running
+    layer pins; None when every one is pinned."""
+    best = None
+    for v in owners:
+        if v == uid or v in cache.pinned:
+            continue
+        p = cache._prio(v)
+        if best is None or p < best[0]:
+            best = (p, v)
+    return None if best is None else best[1]
 
 
 class SlotArena:
@@ -62,35 +103,17 @@ class SlotMap:
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.meta: dict[int, tuple] = {}  # uid -> (layer, expert, unit name, arena key)
         self.key_of: dict[tuple, tuple] = {}  # (layer, unit name) -> arena key
-        count: dict[tuple, int] = {}
-        size: dict[tuple, int] = {}
         itemsize = torch.empty((), dtype=dtype).element_size()
         for (layer, expert), ts in expert_tensors.items():
             for t in ts:
                 key = (t.name, tuple(t.shape))
                 self.meta[t.uid] = (layer, expert, t.name, key)
                 self.key_of[(layer, t.name)] = key
-                count[key] = count.get(key, 0) + 1
-                size[key] = t.numel * itemsize
-        total = sum(count[k] * size[k] for k in count)
-        cuda = self.device.type == "cuda"
-
-        def taken(k, n):  # what arena k takes with n slots (on CUDA: as the allocator rounds it)
-            b = n * size[k]
-            return cuda_block_bytes(b) if cuda and b else b
-
-        if sum(taken(k, count[k]) for k in count) <= capacity:
-            ns = dict(count)
-        else:  # the same fraction of every kind
-            ns = {k: min(count[k], int(capacity * (count[k] * size[k]) / max(1, total)) // size[k]) for k in count}
-            # the allocator's rounding on top of the shares: a slot less in the largest arena until they fit
-            while sum(taken(k, ns[k]) for k in ns) > capacity and any(ns.values()):
-                k = max((k for k in ns if ns[k]), key=lambda k: ns[k] * size[k])
-                ns[k] -= 1
+        ns = slot_counts(expert_tensors, capacity, itemsize, cuda=self.device.type == "cuda")
         self.arenas: dict[tuple, SlotArena] = {}
-        for key in sorted(count):
+        for key in sorted(ns):
             self.arenas[key] = SlotArena(key, ns[key], key[1], dtype, self.device)
-        self.units = sorted({name for name, _ in count})
+        self.units = sorted({name for name, _ in ns})
         self.host = {u: np.full((len(self.layers), self.num_experts), -1, dtype=np.int64) for u in self.units}
         self.maps = {u: torch.full((len(self.layers), self.num_experts), -1, dtype=torch.int64, device=self.device)
                      for u in self.units}
@@ -160,15 +183,7 @@ class SlotMap:
         self.maps[unit][r, expert] = -1
 
     def _victim(self, arena: SlotArena, uid: int):
-        cache = self.cache
-        best = None
-        for v in arena.owner.values():
-            if v == uid or v in cache.pinned:
-                continue
-            p = cache._prio(v)
-            if best is None or p < best[0]:
-                best = (p, v)
-        return None if best is None else best[1]
+        return slot_victim(self.cache, arena.owner.values(), uid)
 
     # ------------------------------------------------------------------ queries
     def all_slotted(self, layer: int, experts) -> bool:

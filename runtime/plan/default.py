@@ -30,7 +30,7 @@ from pathlib import Path
 
 from zipmoe.units import format_size
 
-__all__ = ["STATS_FORMAT", "stats_path", "read_usage", "record_usage", "default_plan", "full_only_plan"]
+__all__ = ["STATS_FORMAT", "stats_path", "read_usage", "record_usage", "default_plan", "full_only_plan", "find_profile"]
 
 STATS_FORMAT = "zipmoe-stats/1"
 #: fewer recorded layer calls per sparse layer than this: the statistics are not used yet
@@ -95,6 +95,27 @@ def full_only_plan(layout, budget: int, workers: int) -> dict:
             "source": "full tensors only"}
 
 
+def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *, profile_path=None,
+                 readers: int | None = None) -> dict | None:
+    """The profile with served state costs (``step_costs``) that fits this machine, file, device and
+    dtype (and reader count, when given): ``profile_path`` when given, else the cache's; None when
+    there is none, it is stale or it cannot be read."""
+    from zipmoe.errors import ZipmoeError
+    from zipmoe.runtime.plan.profile import check_profile, default_profile_path, load_profile
+
+    if cache_dir is None and profile_path is None:
+        return None
+    p = Path(profile_path) if profile_path is not None else default_profile_path(container_id, device, dtype, cache_dir=cache_dir)
+    try:
+        prof = load_profile(p) if p.exists() else None
+    except ZipmoeError:
+        return None
+    if prof is not None and (check_profile(prof, path, container_id, device, dtype) is not None or not prof.get("step_costs")
+                             or (readers is not None and prof.get("disk", {}).get("readers") != readers)):
+        return None
+    return prof
+
+
 def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, readers: int | None = None,
                  dtype: str = "bfloat16", profile_path=None) -> tuple[dict | None, str]:
     """``(plan or None, one line saying what it is)``. None: the runtime's own split is right
@@ -104,7 +125,6 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
     from zipmoe.errors import ZipmoeError
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import make_plan
-    from zipmoe.runtime.plan.profile import check_profile, default_profile_path, load_profile
     from zipmoe.runtime.plan.stats import from_counts
 
     try:
@@ -117,16 +137,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return None, "default plan: none (the budget is below the model's minimum)"
     if layout.pool_bytes(budget, workers) >= layout.total_expert_full:
         return None, "default plan: every expert fits as a full tensor"
-    prof = None
-    if cache_dir is not None or profile_path is not None:
-        p = Path(profile_path) if profile_path is not None else default_profile_path(cid, device, dtype, cache_dir=cache_dir)
-        try:
-            prof = load_profile(p) if p.exists() else None
-        except ZipmoeError:
-            prof = None
-        if prof is not None and (check_profile(prof, path, cid, device, dtype) is not None or not prof.get("step_costs")
-                                 or (readers is not None and prof.get("disk", {}).get("readers") != readers)):
-            prof = None
+    prof = find_profile(path, cid, device, dtype, cache_dir, profile_path=profile_path, readers=readers)
     if prof is None:
         return (full_only_plan(layout, budget, workers),
                 "default plan: full tensors only (no profile of this machine and file cached; "

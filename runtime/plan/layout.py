@@ -91,10 +91,11 @@ class ContainerLayout:
         return max(0, left - window * self.expert_working)
 
 
-def expert_tensors(reader, family=None) -> dict:
+def expert_tensors(reader, family=None, compute_itemsize: int = 2) -> dict:
     """The container's expert tensors grouped as the runtime groups them
     (``{(layer, expert): [ExpertTensor per unit]}``, runtime.engine.tensors), with the shapes the
-    entries themselves give (no model skeleton is built)."""
+    entries themselves give (no model skeleton is built); ``compute_itemsize``: bytes per value
+    the experts compute with (their full-pool size)."""
     from zipmoe.runtime.engine.families import family_for
     from zipmoe.runtime.engine.tensors import build_expert_tensors
 
@@ -115,7 +116,7 @@ def expert_tensors(reader, family=None) -> dict:
     expected: dict[int, dict[str, tuple[int, int]]] = {}
     for (layer, _ex, unit), r in rows.items():
         expected.setdefault(layer, {})[unit] = (r, cols[(layer, unit)])
-    return build_expert_tensors(reader.entries, family, expected)
+    return build_expert_tensors(reader.entries, family, expected, compute_itemsize=compute_itemsize)
 
 
 def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> ContainerLayout:

@@ -3,8 +3,11 @@
 ``make_plan(path, budget, ...)`` ties together runtime.plan.layout (sizes, budget
 accounting as the runtime does it), runtime.plan.stats (rank popularity), runtime.plan.profile
 (measured costs), runtime.plan.model (CPS count distribution, expected makespan) and
-runtime.plan.search (the partition search). The result is the plan.json document
-(``PLAN_FORMAT``, described in docs/planner.md).
+runtime.plan.search (the partition search). With the recorded routing itself (the layer calls of
+the traces, ``replay=``), the search's best candidates are judged again by replaying that routing
+through the runtime's own cache (runtime.plan.replay) and the plan is chosen by that: the rank
+model's steady state is the search's guide, the replay the judge. The result is the plan.json
+document (``PLAN_FORMAT``, described in docs/planner.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ PLAN_FORMAT = "zipmoe-plan/1"
 #: the cost model is measured on pure states and interpolated in between, and full tensors only is
 #: the plan that cannot be wrong-footed by a prediction (it needs no decompression)
 PREFER_FULL_MARGIN = 0.03
+#: how many of the search's best candidates (besides the single-pool plans) a replay judges again
+REPLAY_SHORTLIST = 12
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
               "then sm_only, then e_only slots; the rest are misses")
 
@@ -104,6 +109,48 @@ class Planner:
 
         fetching = profile.get("costs", {}).get("dense_s_per_token_fetching")
         self.dense_fetching_s = max(self.dense_s, float(fetching)) if fetching is not None else self.dense_s
+        self.replayer = None  # runtime.plan.replay.ReplayPredictor over the recorded routing (use_replay)
+
+    def use_replay(self, calls, expert_tensors, *, slots: bool = False, age_tokens: int | None = None) -> None:
+        """Judge plans by replaying ``calls`` (the traces' layer calls) through the runtime's cache
+        with each plan's pools (``slots``: the full pool as CUDA slot arenas, as the runtime keeps
+        it on CUDA; ``age_tokens``: the cache's aging, EngineSettings.cache_age)."""
+        from zipmoe.runtime.engine.settings import DEFAULT_AGE_TOKENS
+        from zipmoe.runtime.plan.replay import ReplayPredictor
+
+        if not any(c.decode for c in calls):
+            return
+        lay = self.layout
+        units = len(lay.units)
+        age = DEFAULT_AGE_TOKENS if age_tokens is None else int(age_tokens)
+        age_every = age * max(1, lay.top_k) * max(1, units) * max(1, len(lay.sparse_layers))
+        self.replayer = ReplayPredictor(calls, expert_tensors, self.table, decode_layers=len(lay.decode_layers),
+                                        age_every=age_every, slots=slots, itemsize=lay.compute_itemsize)
+
+    def pools_of(self, slots: dict[str, float]) -> dict[str, int]:
+        """A plan's pool bytes (what plan.json gives the runtime)."""
+        sb, n = self.layout.slot_bytes, len(self.layout.decode_layers)
+        return {p: int(float(slots.get(p, 0)) * sb[p] * n) for p in POOLS}
+
+    def replayed(self, slots: dict[str, float]) -> dict | None:
+        """The plan on the recorded routing: ``{"cold": {...}, "warm": {...}}``, each with
+        ``tpot_s``, ``layers_s_per_step`` and ``hits`` (experts per state per decode layer call);
+        None without a replay."""
+        if self.replayer is None:
+            return None
+        out = {}
+        for name, r in self.replayer.evaluate(self.pools_of(slots)).items():
+            layers = r["layers_s_per_step"]
+            if self.step_costs is None:  # the schedule model's makespans: its overheads and dense time on top
+                layers += self.layer_overhead * len(self.layout.decode_layers)
+            out[name] = {"tpot_s": layers + self.dense_for(r["hits"]), "layers_s_per_step": layers, "hits": r["hits"]}
+        return out
+
+    def judged_s(self, slots: dict[str, float]) -> float:
+        """What a plan is chosen by: its time per token on the replayed routing (cold) when there
+        is one, else the rank model's (:meth:`tpot_s`)."""
+        r = self.replayed(slots)
+        return float(r["cold"]["tpot_s"]) if r is not None else self.tpot_s(slots)
 
     def dense_for(self, hits) -> float:
         """The time outside the sparse layers for a plan whose expected hits per state are ``hits``
@@ -195,7 +242,7 @@ class Planner:
                              f"{1e3 * (a['none'] - a['full']):.3f} ms ({'pays' if ratio * gain > a['none'] - a['full'] else 'does not pay'})")
         fo = singles.get("full")
         if fo is not None:
-            t_full, t_best = self.tpot_s(fo), self.tpot_s(chosen)
+            t_full, t_best = self.judged_s(fo), self.judged_s(chosen)
             if dict(chosen) == dict(fo):
                 lines.append(f"full tensors only is the best plan found: {1e3 * t_full:.2f} ms per token predicted")
             else:
@@ -204,12 +251,13 @@ class Planner:
         return lines
 
     def describe(self, slots: dict[str, int]) -> dict:
+        """A plan's figures. ``expected_*``: on the replayed routing from an empty cache where there
+        is a replay (``hit_model: "replay"``; ``warm`` beside: the same routing a second time),
+        else the rank model's steady state (``hit_model: "rank model"``); ``rank_model``: the
+        rank model's figures in either case."""
         per_layer, hits, credit = self._evaluate(slots)
-        sb = self.layout.slot_bytes
         n = len(self.layout.decode_layers)
-        return {
-            "slots": {p: _slot_count(slots.get(p, 0)) for p in POOLS},
-            "pools": {p: int(float(slots.get(p, 0)) * sb[p] * n) for p in POOLS},
+        rank = {
             "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, hits)},
             "expected_prefetch_credit_s_per_token": float(credit.sum()),
             "expected_layer_makespan_s": float(per_layer.mean()),
@@ -217,13 +265,35 @@ class Planner:
             "expected_dense_s_per_token": self.dense_for(hits),
             "expected_tpot_s": float(per_layer.sum() + self.dense_for(hits)),
         }
+        out = {"slots": {p: _slot_count(slots.get(p, 0)) for p in POOLS}, "pools": self.pools_of(slots)}
+        r = self.replayed(slots)
+        if r is None:
+            return {**out, **rank, "hit_model": "rank model"}
+        cold, warm = r["cold"], r["warm"]
+        return {
+            **out,
+            "hit_model": "replay",
+            "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, cold["hits"])},
+            "expected_prefetch_credit_s_per_token": 0.0,
+            "expected_layer_makespan_s": float(cold["layers_s_per_step"]) / max(1, n),
+            "expected_sparse_s_per_token": float(cold["layers_s_per_step"]),
+            "expected_dense_s_per_token": self.dense_for(cold["hits"]),
+            "expected_tpot_s": float(cold["tpot_s"]),
+            "warm": {"expected_tpot_s": float(warm["tpot_s"]),
+                     "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, warm["hits"])}},
+            "rank_model": rank,
+        }
 
 
 def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, profile: dict, *, workers: int,
               device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None,
-              prefetch_recall: float | None = None) -> dict:
+              prefetch_recall: float | None = None, replay: tuple | None = None) -> dict:
     """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum.
-    ``prefetch_recall``: the calibration pass's measured recall (prefetch on), or None."""
+    ``prefetch_recall``: the calibration pass's measured recall (prefetch on), or None.
+    ``replay``: ``(layer calls, expert tensors)`` of the recorded routing (runtime.plan.replay;
+    the container's tensors as ``runtime.plan.layout.expert_tensors`` builds them): the search's
+    best candidates and the single-pool plans are judged again on it and the plan is chosen by
+    that (:meth:`Planner.judged_s`)."""
     minimum = layout.min_budget(workers)
     if budget < minimum:
         raise BudgetError(
@@ -233,6 +303,9 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         )
     window = layout.window(budget, workers)
     planner = Planner(layout, stats, profile, workers, window, prefetch_recall)
+    if replay is not None:
+        calls, ets = replay
+        planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.decode_layers)
     per_layer = pool_bytes // n
@@ -243,9 +316,15 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     singles = {name: (s if name == "none" else planner.spend_rest(s, per_layer, pools=(name,)))
                for name, (s, _) in res.singles.items()}
     best = planner.spend_rest(res.best, per_layer)
+    if planner.replayer is not None:
+        # the rank model found the candidates; the replayed routing judges the best of them
+        shortlist = [best] + list(singles.values())
+        for s, _ in res.history[:REPLAY_SHORTLIST]:
+            shortlist.append(planner.spend_rest(s, per_layer))
+        best = min(shortlist, key=planner.judged_s)
     full_only = singles.get("full")
     if full_only is not None and best != full_only and \
-            planner.tpot_s(best) > (1 - PREFER_FULL_MARGIN) * planner.tpot_s(full_only):
+            planner.judged_s(best) > (1 - PREFER_FULL_MARGIN) * planner.judged_s(full_only):
         best = dict(full_only)  # not enough of a gain to leave full tensors
     chosen = planner.describe(best)
     alternatives = {}
@@ -298,8 +377,12 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "expected_sparse_s_per_token": chosen["expected_sparse_s_per_token"],
         "expected_tpot_s": chosen["expected_tpot_s"],
         "expected_prefetch_credit_s_per_token": chosen["expected_prefetch_credit_s_per_token"],
+        **({"warm": chosen["warm"], "rank_model": chosen["rank_model"]} if "warm" in chosen else {}),
         "alternatives": alternatives,
-        "search": {"evaluated": res.evaluated},
+        "search": {"evaluated": res.evaluated, "judged_by": "replay" if planner.replayer is not None else "rank model",
+                   **({"replayed_layer_calls": len(planner.replayer.calls),
+                       "replayed_decode_calls": planner.replayer.decode_calls} if planner.replayer is not None else {})},
+        "hit_model": chosen["hit_model"],
         "explain": planner.explain(best, singles),
         "profile": prof_summary,
         "trace": stats.summary(),

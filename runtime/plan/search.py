@@ -41,7 +41,7 @@ class SearchResult:
     best_value: float
     singles: dict[str, tuple[dict[str, int], float]]  # pool -> (slots, value); "none" = empty plan
     evaluated: int
-    history: list = field(default_factory=list)
+    history: list = field(default_factory=list)  # every evaluated plan, best first: (slots, value)
 
 
 def _fit(slots: dict[str, int], experts: int) -> dict[str, int]:
@@ -122,4 +122,5 @@ def search(evaluate: Callable[[dict[str, int]], float], *, per_layer_bytes: int,
             if d == 1:
                 break
             d = max(1, d // 2)
-    return SearchResult(best=dict(best), best_value=value(best), singles=singles, evaluated=len(memo))
+    history = [(dict(zip(POOLS, k)), v) for k, v in sorted(memo.items(), key=lambda kv: kv[1])]
+    return SearchResult(best=dict(best), best_value=value(best), singles=singles, evaluated=len(memo), history=history)

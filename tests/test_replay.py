@@ -1,0 +1,176 @@
+"""Replaying routing through the runtime's cache (runtime/plan/replay.py): it gives the run's own
+hits, and the planner judges its candidates by it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zipmoe.runtime.engine.states import STATES
+from zipmoe.runtime.plan import replay as R
+
+
+def _serve(path, budget: int, plan, tokens: int = 48):
+    """Serve the corpus stream under ``plan`` with the runtime's order made deterministic (one
+    reader, one decode worker, prefetch off); returns the runtime and its log of layer calls."""
+    from zipmoe.runtime.engine.loader import load
+    from zipmoe.runtime.plan.passes import _run_stream, forced_stream
+
+    model, tok = load(path, budget=budget, device="cpu", plan=plan, workers=1, readers=1, prefetch=False, threads=1)
+    rt = model.zipmoe
+    prompt, forced = forced_stream(tok, model.config.to_dict(), tokens)
+    rt.counters.log_uses(True)
+    _run_stream(model, rt, prompt, forced)
+    log = rt.counters.log_uses(False)
+    return rt, log
+
+
+def _calls(rt, log):
+    n = len(rt.sparse_layers)  # the prefill's calls come first, one per sparse layer
+    return [R.LayerCall(int(layer), tuple(sorted(experts)), i >= n) for i, (layer, experts) in enumerate(log)]
+
+
+def _budget(path, fraction: float) -> int:
+    from zipmoe.runtime.engine.loader import requirements
+
+    return int(requirements(path, workers=1)["budget_for"](fraction))
+
+
+@pytest.mark.parametrize("pools", ["full only", "mixed"])
+def test_replaying_a_runs_own_routing_gives_its_hits(tiny_mixtral_container, pools):
+    """The runtime's hit counters, state by state, equal the replay of the layer calls it logged,
+    with its own pool sizes: the replay admits, evicts and cascades as the fetcher does. Exactly
+    with one pool; with several, the runtime admits a layer's experts in the order its one decode
+    worker finishes them (a compressed hit, which reads nothing, can finish before a miss issued
+    earlier) and the replay in issue order, so a few uses may land in another pool."""
+    path, cid = tiny_mixtral_container
+    budget = _budget(path, 0.4)
+    if pools == "full only":
+        rt, log = _serve(path, budget, {"container_id": cid, "pools": {"full": 1 << 40}})
+    else:
+        rt0, _ = _serve(path, budget, None, tokens=1)
+        total = sum(rt0.pools.values())
+        plan = {"container_id": cid, "pools": {"full": int(0.35 * total), "compressed": int(0.3 * total),
+                                              "sm_only": int(0.2 * total), "e_only": int(0.15 * total)}}
+        rt, log = _serve(path, budget, plan)
+    assert sum(rt.counters.hits.values()) > 0 and rt.counters.hits["none"] > 0
+    res = R.replay(_calls(rt, log), rt.expert_tensors, rt.pools, age_every=rt.cache.age_every)
+    got = dict(zip(STATES, res.tensor_hits.sum(axis=0).tolist()))
+    if pools == "full only":
+        assert got == dict(rt.counters.hits)
+    else:  # the run used the lower pools, so the replay's cascade was exercised
+        assert rt.counters.hits["compressed"] + rt.counters.hits["sm_only"] + rt.counters.hits["e_only"] > 0
+        uses = sum(rt.counters.hits.values())
+        assert sum(got.values()) == uses and got["none"] == rt.counters.hits["none"]
+        for s in STATES:
+            assert abs(got[s] - rt.counters.hits[s]) <= 0.02 * uses, (got, rt.counters.hits)
+
+
+def test_expert_state_is_the_tensor_that_needs_most_work():
+    assert R.expert_state(["full", "full"]) == "full"
+    assert R.expert_state(["full", "compressed"]) == "compressed"
+    assert R.expert_state(["sm_only", "e_only"]) == "e_only"
+    assert R.expert_state(["full", None]) == "none"
+
+
+def test_calls_from_a_trace_keep_order_and_mark_decode_steps(tmp_path):
+    import json
+
+    p = tmp_path / "t.jsonl"
+    lines = [{"container_id": "c", "num_layers": 2, "num_experts": 4, "top_k": 2},
+             {"layers": {"1": [[0, 1], [1, 3]], "0": [[2, 0], [2, 3]]}, "input": [1, 2]},
+             {"layers": {"0": [[3, 1]], "1": [[0, 2]]}, "input": [1, 1]}]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    calls = R.layer_calls_from_trace([p])
+    assert calls == [R.LayerCall(0, (0, 2, 3), False), R.LayerCall(1, (0, 1, 3), False),
+                     R.LayerCall(0, (1, 3), True), R.LayerCall(1, (0, 2), True)]
+    assert R.layer_calls_from_trace([p], layers=[1]) == [calls[1], calls[3]]
+
+
+def test_slot_book_keeps_a_kind_within_its_slots_and_evicts_the_least_used_of_that_kind():
+    from zipmoe.runtime.engine.cache import ExpertCache
+
+    class T:
+        def __init__(self, uid, name):
+            self.uid, self.name, self.shape, self.numel = uid, name, (4, 4), 16
+
+    ets = {(0, e): [T(2 * e, "gate_up"), T(2 * e + 1, "down")] for e in range(4)}
+    cache = ExpertCache({"full": 10 ** 6})
+    book = R.SlotBook(ets, capacity=2 * 32 * 2, itemsize=2)  # room for two of each kind
+    book.attach(cache)
+    for uid in (0, 2, 0):  # gate_up of experts 0, 1; expert 0 used twice
+        cache.touch(uid)
+        cache.offer(uid, {"full": (32, None)})
+    cache.touch(4)
+    cache.offer(4, {"full": (32, None)})  # a third gate_up: expert 1's (used once) leaves
+    assert cache.state_of(0) == "full" and cache.state_of(4) == "full" and cache.state_of(2) is None
+    assert book.free[("gate_up", (4, 4))] == 0
+
+
+def _planner(E=16, skew=1.0):
+    from zipmoe.runtime.plan.layout import ContainerLayout
+    from zipmoe.runtime.plan.planner import Planner
+    from zipmoe.runtime.plan.stats import ActivationStats, rank_distribution
+
+    layers = [0, 1]
+    units = [("gate_up", (64, 32), 4096, 700, 2048), ("down", (32, 32), 2048, 350, 1024)]
+    layout = ContainerLayout(path="m.zmoe", container_id="abc", file_size=0, num_layers=2, num_experts=E, top_k=2,
+                             sparse_layers=layers, dense_bytes=1 << 20, dense_matmul_bytes=1 << 20, units=units,
+                             expert_full_bytes=6144, expert_working=20000, max_segment=2048,
+                             total_expert_full=len(layers) * E * 6144)
+    p = rank_distribution(np.array([(r + 1.0) ** -skew for r in range(E)]) * 1000)
+    stats = ActivationStats("abc", E, 2, layers, {l: p for l in layers}, "trace")
+    prof = {"costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False,
+                           "per_expert_s": {"full": 0.0, "compressed": 0.001, "sm_only": 0.002, "e_only": 0.003,
+                                            "none": 0.004}}}
+    return layout, stats, prof, Planner(layout, stats, prof, workers=1)
+
+
+class _Tensor:
+    def __init__(self, uid, name, nbytes, e, sm):
+        self.uid, self.name, self.shape, self.numel = uid, name, (nbytes // 2,), nbytes // 2
+        self.full_bytes = self.compute_bytes = nbytes
+        self.e_bytes, self.sm_bytes = e, sm
+
+
+def _tensors(E=16):
+    return {(l, e): [_Tensor(100 * l + 2 * e, "gate_up", 4096, 700, 2048), _Tensor(100 * l + 2 * e + 1, "down", 2048, 350, 1024)]
+            for l in (0, 1) for e in range(E)}
+
+
+def test_planner_replay_predicts_from_the_routing_and_chooses_by_it():
+    """On routing that cycles through a few experts, every plan whose full pool holds them hits
+    every decode step; the replay says so (the rank model cannot: its popularity is skewed, not
+    a cycle), and the plan's figures are the replay's."""
+    from zipmoe.runtime.plan.planner import make_plan
+
+    layout, stats, prof, _ = _planner()
+    calls = []
+    for step in range(40):
+        for l in (0, 1):
+            calls.append(R.LayerCall(l, (step % 3, 3 + step % 2), step > 0))
+    budget = layout.min_budget(1) + 3 * 20000 + 12 * 6144 * 2  # the window, and twelve experts a layer whole
+    plan = make_plan(layout, budget, stats, prof, workers=1, replay=(calls, _tensors()))
+    assert plan["hit_model"] == "replay" and plan["search"]["judged_by"] == "replay"
+    assert plan["search"]["replayed_decode_calls"] == 78
+    # five experts per layer are ever used: the warm replay hits them all in the full pool
+    assert plan["warm"]["expected_hits"]["full"] == pytest.approx(2.0)
+    assert plan["expected_hits"]["none"] < 0.2  # cold: only the first uses miss
+    assert plan["rank_model"]["expected_hits"]["none"] > plan["expected_hits"]["none"]
+    assert plan["expected_tpot_s"] == pytest.approx(0.01 + 2 * 0.004 * plan["expected_hits"]["none"], rel=1e-6)
+    # without the routing the rank model decides and says so
+    plain = make_plan(layout, budget, stats, prof, workers=1)
+    assert plain["hit_model"] == "rank model" and "warm" not in plain
+
+
+def test_replay_predictor_memoises_and_splits_cold_from_warm():
+    _, _, _, planner = _planner()
+    calls = [R.LayerCall(l, (e,), True) for e in range(8) for l in (0, 1)]
+    planner.use_replay(calls, _tensors())
+    r = planner.replayed({"full": 16})  # every expert fits: cold misses each once, warm never
+    assert r["cold"]["hits"][STATES.index("none")] == pytest.approx(1.0)
+    assert r["warm"]["hits"][STATES.index("full")] == pytest.approx(1.0)
+    assert r["warm"]["tpot_s"] == pytest.approx(0.01)
+    assert planner.replayed({"full": 16}) is not None and len(planner.replayer._memo) == 1
