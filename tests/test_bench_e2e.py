@@ -179,3 +179,61 @@ def test_bench_encoder_decoder_counts_the_decoder_tokens(tmp_path, capsys):
         assert r["distinct_tokens"] >= 2 and len(r["argmax_tokens"][0]) == 5
     assert runs["zipmoe"]["tokens"] == runs["accelerate"]["tokens"]
     assert runs["zipmoe"]["argmax_tokens"] == runs["accelerate"]["argmax_tokens"] and doc["token_check"]["same"]
+
+
+def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_path):
+    """With a plan judged on recorded routing and a profile with served state costs, every zipmoe
+    run carries the plan's prediction (zipmoe-basic: the plan's 'full only' alternative) and the
+    cost model charged for the run's own routing, and bench prints them against the measurement."""
+    import numpy as np
+
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, machine_info
+    from zipmoe_cli.app import main
+
+    root = tiny_container
+    zm = root / "tiny.zmoe"
+    with ContainerReader(zm) as r:
+        cid = r.container_id
+    prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"),
+            "container": container_info(zm, cid), "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "bw": 1e9},
+            "decomp": {"codec": "zstd"}, "merge": {"kernel": "numba"}, "compute": {"s_per_expert": 40e-6, "torch_threads": 1},
+            "costs": {"disk_bw": 1.0e9, "disk_latency": 60e-6, "decomp_bw_per_worker": 1.5e9, "merge_bw": 3e9,
+                      "compute_s_per_expert": 40e-6},
+            "step_costs": {"resident_step_s": 0.004, "graphs": False,
+                           "per_expert_s": {"full": 0.0, "compressed": 0.0004, "sm_only": 0.0005, "e_only": 0.0006,
+                                            "none": 0.0008}}}
+    pf = tmp_path / "profile.json"
+    pf.write_text(json.dumps(prof))
+    rng = np.random.default_rng(0)
+    tr = tmp_path / "t.jsonl"
+    with open(tr, "w") as f:  # a prefill, then decode steps (their input shape marks them)
+        f.write(json.dumps({"container_id": cid, "num_layers": 2, "num_experts": 8, "top_k": 2}) + "\n")
+        f.write(json.dumps({"layers": {str(l): [rng.choice(8, 2, replace=False).tolist() for _ in range(4)] for l in (0, 1)},
+                            "input": [1, 4]}) + "\n")
+        for _ in range(40):
+            f.write(json.dumps({"layers": {str(l): [rng.choice(8, 2, replace=False).tolist()] for l in (0, 1)},
+                                "input": [1, 1]}) + "\n")
+    plan = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(zm), "--budget", "2M", "--trace", str(tr), "--profile", str(pf), "--workers", "1", "-o", str(plan)])
+    assert exc.value.code in (0, None), capsys.readouterr().err[-2000:]
+    p = json.loads(plan.read_text())
+    assert p["hit_model"] == "replay" and "hits: the best" in capsys.readouterr().out
+    out = tmp_path / "out.json"
+    argv = ["bench", str(zm), "--engine", "zipmoe", "--engine", "zipmoe-basic", "--plan", str(plan), "--profile", str(pf),
+            "--budget", "2M", "--batch", "1", "--new-tokens", "6", "--runs", "1", "--cold", "--cold-method", "fadvise",
+            "--device", "cpu", "--threads", "1", "--json", str(out), "--workload", "corpus"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr()
+    assert exc.value.code == 0, err.err[-2000:]
+    doc = json.loads(out.read_text())
+    runs = {d["engine"]: d["runs"][0] for d in doc["results"] if d.get("ok")}
+    assert runs["zipmoe"]["predicted_tpot_s"] == pytest.approx(p["expected_tpot_s"])
+    assert runs["zipmoe-basic"]["predicted_tpot_s"] == pytest.approx(p["alternatives"]["full only"]["expected_tpot_s"])
+    for r in runs.values():
+        assert r["model_tpot_s"] >= 0.004 and sum(r["model_hits"].values()) == pytest.approx(2)
+        # the replay of the run's routing accounts for every use the counters saw
+        assert sum(r["model_tensor_hits"].values()) == sum(r["counters"]["hits"].values())
+    assert "predicted against measured" in err.out and "replay" in err.out

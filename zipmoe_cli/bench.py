@@ -52,6 +52,11 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     title = f"zipmoe bench · {Path(doc.get('container', '?')).name} · {doc.get('device')} · {machine.get('gpu') or machine.get('cpu') or ''}"
     bench_report.render_table(doc.get("summary", []), doc.get("ratios", []), console=con, title=title, compact=compact)
     notes = []
+    if not compact and bench_report.render_predictions(doc.get("summary", []), (doc.get("model") or {}).get("top_k"), console=con):
+        notes.append("predicted: the plan's own prediction (plan.json, made from the calibration before the run; zipmoe-basic: its "
+                     "'full only' alternative); model: the profile's served state costs charged for this run's own routing "
+                     "replayed through a cache with its pools (the cost model alone, batch 1); × = measured / predicted; "
+                     "experts per decode layer call in each state (measured: the run's counters, prefill included)")
     if bw.get("bytes_per_s"):
         notes.append(f"disk {format_size(bw['bytes_per_s'])}/s ({bw.get('source')}); floor = bytes read per token / disk bandwidth")
     notes.append(f"cache: {doc.get('cold_mode')}" + ("" if doc.get("cold_mode") != "o_direct" else " (page cache could not be dropped)"))

@@ -40,7 +40,7 @@ AGREEMENT_ONLY = ("llama.cpp",)
 
 # per-run workload diagnostics (runtime/bench/diagnostics.py; the hit rates and MIN for zipmoe engines)
 DIAG_METRICS = ("distinct_tokens", "distinct_experts", "hit_rate_first_quarter", "hit_rate_last_quarter", "belady_hit_rate",
-                "lru_hit_rate")
+                "lru_hit_rate", "predicted_tpot_s", "model_tpot_s")
 METRICS = ("ttft_s", "tpot_s", "e2e_s", "tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "peak_rss_run_bytes", "floor_tpot_s", "tpot_over_floor")
 
 
@@ -131,6 +131,11 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         cyc = [r.get("cycle") for r in rs if r.get("cycle") is not None]
         row["cycle"] = min(cyc) if cyc else None
         row["capacity_upper_bound"] = any(r.get("capacity_upper_bound") for r in rs)
+        for m in ("predicted_hits", "model_hits"):  # per state, experts per decode layer call: the runs' mean
+            hs = [r[m] for r in rs if isinstance(r.get(m), dict)]
+            row[m] = {k: statistics.mean(h.get(k, 0.0) for h in hs) for k in STATES} if hs else None
+        by = sorted({str(r["predicted_by"]) for r in rs if r.get("predicted_by")})
+        row["predicted_by"] = by[0] if len(by) == 1 else (", ".join(by) or None)
         # the budget's own count (allocator rounding included) beside the GPU allocator's peak
         held = [r["memory"]["peak_counted_bytes"] for r in rs if isinstance(r.get("memory"), dict)]
         gpu = [r["cuda_peak_bytes"] for r in rs if r.get("cuda_peak_bytes")]
@@ -353,6 +358,48 @@ def render_table(rows: list[dict], rats: list[dict], console=None, title: str = 
             x = rindex.get((r["engine"], b, r["budget"], r["batch"], r["new_tokens"], r.get("workload")))
             cells.append(_fmt_x(x["tpot_x"]) if x else "")
         t.add_row(*cells)
+    if console is not None:
+        console.print(t)
+    return t
+
+
+def _per_layer(h: dict | None) -> str:
+    """Experts per decode layer call in each state, as ``full·…·miss`` (F·C·S·E·miss)."""
+    if not h:
+        return "–"
+    return "·".join(f"{h.get(s, 0.0):.2f}" for s in STATES)
+
+
+def measured_hits_per_layer(row: dict, top_k: int | None) -> dict | None:
+    """A row's hits as experts per layer call (the counters count tensors, prefill included):
+    their shares times ``top_k``, comparable with the predicted and modelled figures."""
+    h = row.get("hits")
+    if not h or not top_k:
+        return None
+    total = sum(h.values())
+    return {k: top_k * h.get(k, 0) / total for k in STATES} if total else None
+
+
+def render_predictions(rows: list[dict], top_k: int | None = None, console=None):
+    """Predicted against measured, for the runs that have a prediction: the plan's (made before,
+    from the calibration: ``predicted``), and the cost model charged for the run's own routing
+    (``model``: the profile's served state costs on the hits a replay of that routing gives, which
+    are the run's); each with measured / predicted, and the experts per layer call in each state
+    (predicted, measured). None when no run has one."""
+    from rich.table import Table
+
+    keep = [r for r in rows if _med(r, "predicted_tpot_s") is not None or _med(r, "model_tpot_s") is not None]
+    if not keep:
+        return None
+    t = Table(title="predicted against measured (time per output token)", title_justify="left", pad_edge=False)
+    for c in ("engine", "budget", "batch", "tokens", "TPOT", "predicted", "×", "model", "×", "predicted by",
+              "F·C·S·E·miss predicted", "measured"):
+        t.add_column(c, justify="left" if c in ("engine", "predicted by") else "right", no_wrap=True)
+    for r in keep:
+        tp, pr, mo = _med(r, "tpot_s"), _med(r, "predicted_tpot_s"), _med(r, "model_tpot_s")
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), str(r["batch"]), f"{r['generated']}/{r['new_tokens']}", _fmt_s(tp),
+                  _fmt_s(pr), _fmt_x(_ratio(tp, pr)), _fmt_s(mo), _fmt_x(_ratio(tp, mo)), r.get("predicted_by") or "–",
+                  _per_layer(r.get("predicted_hits")), _per_layer(measured_hits_per_layer(r, top_k)))
     if console is not None:
         console.print(t)
     return t

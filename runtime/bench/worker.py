@@ -358,7 +358,7 @@ class RunDiagnostics:
         except Exception:
             pass
 
-    def finish(self, tokens) -> dict:
+    def finish(self, tokens, spec: dict | None = None, batch: int = 1) -> dict:
         from zipmoe.runtime.bench import diagnostics
 
         try:
@@ -370,7 +370,41 @@ class RunDiagnostics:
         out["diagnostics_source"] = {"counters": "the runtime's counters", "trace": "an activation trace"}.get(self.mode)
         if self.note:
             out["diagnostics_note"] = self.note
+        if spec is not None:
+            out.update(predictions(self.rt, spec, steps if batch == 1 else None))
         return out
+
+
+def predictions(runtime, spec: dict, steps) -> dict:
+    """What the planner said of this run beforehand and what its cost model says of it after:
+    ``predicted_tpot_s`` (and ``predicted_hits``), the prediction of the plan the engine loaded
+    (``--plan``'s, for zipmoe-basic its ``full only`` alternative, zipmoe-default's fitted one);
+    ``model_tpot_s``, ``model_hits``: the profile's served state costs charged for this run's own
+    routing replayed through a cache with its pools (runtime/plan/replay.py ``model_run``; batch
+    1). Nothing where there is no plan, profile or routing; never fails the run."""
+    out: dict = {}
+    try:
+        plan = (getattr(runtime, "plan", None) or {}).get("raw") or {}
+        if spec.get("engine") == "zipmoe-basic" and spec.get("plan"):
+            with open(spec["plan"], encoding="utf-8") as f:
+                plan = (json.load(f).get("alternatives") or {}).get("full only") or {}
+        if plan.get("expected_tpot_s"):
+            out["predicted_tpot_s"] = float(plan["expected_tpot_s"])
+            out["predicted_hits"] = plan.get("expected_hits")
+            out["predicted_by"] = plan.get("hit_model") or "rank model"
+        if steps:
+            from zipmoe.runtime.plan.default import find_profile
+            from zipmoe.runtime.plan.replay import model_run
+
+            dtype = str(runtime.compute_dtype).replace("torch.", "")
+            prof = find_profile(runtime.path, runtime.container_id, str(runtime.device.type), dtype, spec.get("cache_dir"),
+                                profile_path=spec.get("profile"))
+            m = model_run(steps, runtime, prof) if prof is not None else None
+            if m is not None:
+                out.update(m)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, never the run's failure
+        out["prediction_note"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def capacity_in_experts(runtime) -> tuple[int | None, bool]:
@@ -527,7 +561,7 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         if "counters" in first and first["counters"] is not None:
             rec["decode_bytes_read_engine"] = counter_bytes(counter_diff(first["counters"], c1))
     if diag is not None:
-        rec.update(diag.finish(gen))
+        rec.update(diag.finish(gen, spec, batch))
     if device == "cuda":
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated())
         from zipmoe.machine import gpu_used_bytes
