@@ -64,7 +64,7 @@ serve|zipmoe serve under load: gpu-tests, the resident decode step at batch 1,4,
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens): default plan, explicit plan, full only, default split, uncompressed at 3.5G and 6G, batch 1; plan and full only at batch 4 (CACHE_B4=0: not) and 512 tokens (CACHE_LONG=0: not; CACHE_UNC=0: no uncompressed); planner check; gpu-tests of GPU_TEST_FILES (§22, §22c: about 30 min with every stage, more than one sitting: SKIP some)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1), a second round (CACHE_ROUNDS=2); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -200,48 +200,57 @@ suite_headline_olmoe() {  # olmoe-1b-7b: every engine at the first budget, then 
 
 suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b's shapes, SYNTH_LAYERS of its 24 layers (§22)
     # SYNTH_LAYERS=8 (default) keeps a third of the model (8.3 GiB of experts, 1.4 GiB dense): the
-    # budgets 3.5G and 6G hold about the share of the experts 8G and 16G hold of the whole model
+    # budgets 3.5G and 6G hold about the share of the experts 8G and 16G hold of the whole model,
+    # 4.75G the share between (three budgets: the planner's predictions checked at three points)
     export TOKENS=${TOKENS:-128} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin} SYNTH_LAYERS=${SYNTH_LAYERS-8}  # builtin: the corpus, teacher-forced
-    export GPU_TEST_FILES=${GPU_TEST_FILES-test_graphs.py test_staging.py test_runtime.py test_loop.py test_plan_costs.py}
     bench_env 1
-    export BUDGETS=${BUDGETS:-3.5G 6G}
-    local W=$WORK b common
+    export BUDGETS=${BUDGETS:-3.5G 4.75G 6G}
+    local W=$WORK b common last engines e
+    last=${BUDGETS##* }
     stage probe 60 probe
-    bg_stage gpu-tests "${GPU_TESTS_LIMIT:-200}" gpu_tests
+    bg_stage gpu-tests "${GPU_TESTS_LIMIT:-300}" gpu_tests
     stage qwen-synth 200 hl qwen-synth
     stage qwen-pack 200 hl qwen-pack
     [ "${CACHE_UNC:-1}" != 0 ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
     stage qwen-rmsrc 60 hl qwen-rmsrc
     wait_bg  # the profile's passes time the GPU: nothing else on it
-    # the profile, then one plan per budget; each calibration also records the file's routing in
-    # the cache folder, so zipmoe-default (no --plan) fits its plan at load from it
-    stage qwen-plan 300 hl qwen-plan
+    # the profile, one calibration (its routing is also kept in the cache folder, so zipmoe-default
+    # fits its plan at load from it), then one plan per budget judged by replaying that trace
+    stage qwen-plan 360 hl qwen-plan
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
             --time-limit 60 --json "$W/qwen.json" --merge --runs "$RUNS")
-    # every engine on the same teacher-forced token stream, cold, one process each
+    # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
+    # tensors only, the 60/40 split, the default plan; uncompressed at the largest budget
     for b in $BUDGETS; do
-        # (3.5G with uncompressed took more than 330 s on 2 Dec)
-        stage "bench-$b" "${BENCH_LIMIT:-420}" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-default \
-            --engine zipmoe-basic --engine zipmoe-pools $([ "${CACHE_UNC:-1}" != 0 ] && echo "--engine uncompressed --raw-container $W/qwen-raw.zmoe") \
+        engines=()
+        for e in ${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}; do engines+=(--engine "$e"); done
+        [ "${CACHE_UNC:-1}" != 0 ] && [ "$b" = "$last" ] && engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
+        stage "bench-$b" "${BENCH_LIMIT:-420}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
     done
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
-    # batch 4: the plan and full tensors only at every budget
+    # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
     if [ "${CACHE_B4:-1}" != 0 ]; then
-        for b in $BUDGETS; do
+        for b in ${CACHE_B4_BUDGETS:-$last}; do
             stage "bench-$b-b4" 300 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-b4.json"
         done
     fi
-    # 512 new tokens at the larger budget: the plan and full tensors only
-    b=${BUDGETS##* }
-    [ "${CACHE_LONG:-1}" != 0 ] && stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
-        --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
+    # 512 new tokens at the largest budget: the plan and full tensors only (CACHE_LONG=1)
+    [ "${CACHE_LONG:-0}" != 0 ] && stage "bench-$last-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+        --plan "$W/qwen-plan-$last.json" --budget "$last" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
         --time-limit 150 --json "$W/qwen-512.json"
-    stage qwen-report-more 60 sh -c "zipmoe bench --report '$W/qwen-b4.json'; zipmoe bench --report '$W/qwen-512.json'"
-    b=${BUDGETS%% *}
-    planner_check "planner-check-$b" 200 qwen "$b" --alternative "full only" --tokens 32
+    # a second round of the plan and full tensors only at the outer budgets, in the other order
+    # (CACHE_ROUNDS=2): the run-to-run spread of this disk beside the differences measured
+    if [ "${CACHE_ROUNDS:-1}" -ge 2 ]; then
+        for b in ${BUDGETS%% *} $last; do
+            stage "bench-$b-r2" 300 zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe \
+                --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
+                --json "$W/qwen-r2.json"
+        done
+    fi
+    stage qwen-report-more 60 sh -c "for f in '$W/qwen-b4.json' '$W/qwen-512.json' '$W/qwen-r2.json'; do [ -e \"\$f\" ] && zipmoe bench --report \"\$f\"; done; true"
 }
 
 suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G
@@ -789,8 +798,9 @@ hl_pack() {  # zstd
     x zipmoe pack "$WORK/$tag-src" -o "$WORK/$tag.zmoe" --force
     done_mark "$tag-pack"
 }
-hl_plan() {  # the profile measured once (disk, decompression, merge, compute), then one calibrated plan per budget
-    local tag=$1 b
+hl_plan() {  # the profile measured once (disk, decompression, merge, compute); one calibration (the routing does not
+    # depend on the budget: the logits are the same at every budget), then a plan per budget judged on its trace
+    local tag=$1 b trace
     if ! is_done "$tag-profile"; then
         say "$tag: profile"
         x zipmoe plan "$WORK/$tag.zmoe" --profile-only --profile "$WORK/$tag-profile.json" --device "$DEVICE"
@@ -799,8 +809,15 @@ hl_plan() {  # the profile measured once (disk, decompression, merge, compute), 
     for b in $BUDGETS; do
         is_done "$tag-plan-$b" && continue
         say "$tag: plan at $b"
-        x zipmoe plan "$WORK/$tag.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
-            --device "$DEVICE" -o "$WORK/$tag-plan-$b.json"
+        if [ -e "$WORK/$tag-calib.jsonl" ]; then
+            x zipmoe plan "$WORK/$tag.zmoe" --budget "$b" --trace "$WORK/$tag-calib.jsonl" --profile "$WORK/$tag-profile.json" \
+                --device "$DEVICE" -o "$WORK/$tag-plan-$b.json"
+        else
+            x zipmoe plan "$WORK/$tag.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
+                --device "$DEVICE" -o "$WORK/$tag-plan-$b.json"
+            [ -n "$DRY" ] || { trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace']['files'][-1])" "$WORK/$tag-plan-$b.json") \
+                && x cp "$trace" "$WORK/$tag-calib.jsonl" && { cp "${trace%.jsonl}.prefetch.json" "$WORK/$tag-calib.prefetch.json" 2>/dev/null || true; }; }
+        fi
         done_mark "$tag-plan-$b"
     done
 }

@@ -371,17 +371,26 @@ class RunDiagnostics:
         if self.note:
             out["diagnostics_note"] = self.note
         if spec is not None:
-            out.update(predictions(self.rt, spec, steps if batch == 1 else None))
+            out.update(predictions(self.rt, spec, steps if batch == 1 else None, list(_ROUTING)))
+        from zipmoe.runtime.plan.replay import layer_calls_from_steps
+
+        _ROUTING.extend(layer_calls_from_steps(steps or []))  # what the next run's cache starts from
         return out
 
 
-def predictions(runtime, spec: dict, steps) -> dict:
+#: every layer call the runtime of this process served in its runs (the warm-up's too), in order:
+#: a run's cache starts from them (``predictions`` replays them first)
+_ROUTING: list = []
+
+
+def predictions(runtime, spec: dict, steps, before: list | None = None) -> dict:
     """What the planner said of this run beforehand and what its cost model says of it after:
     ``predicted_tpot_s`` (and ``predicted_hits``), the prediction of the plan the engine loaded
     (``--plan``'s, for zipmoe-basic its ``full only`` alternative, zipmoe-default's fitted one);
     ``model_tpot_s``, ``model_hits``: the profile's served state costs charged for this run's own
     routing replayed through a cache with its pools (runtime/plan/replay.py ``model_run``; batch
-    1). Nothing where there is no plan, profile or routing; never fails the run."""
+    1), after ``before`` (the layer calls earlier runs of this process served: the cache the run
+    started with). Nothing where there is no plan, profile or routing; never fails the run."""
     out: dict = {}
     try:
         plan = (getattr(runtime, "plan", None) or {}).get("raw") or {}
@@ -399,7 +408,7 @@ def predictions(runtime, spec: dict, steps) -> dict:
             dtype = str(runtime.compute_dtype).replace("torch.", "")
             prof = find_profile(runtime.path, runtime.container_id, str(runtime.device.type), dtype, spec.get("cache_dir"),
                                 profile_path=spec.get("profile"))
-            m = model_run(steps, runtime, prof) if prof is not None else None
+            m = model_run(steps, runtime, prof, before=before) if prof is not None else None
             if m is not None:
                 out.update(m)
     except Exception as exc:  # noqa: BLE001 - a diagnostic, never the run's failure

@@ -272,7 +272,7 @@ class ReplayPredictor:
         return out
 
 
-def model_run(steps, runtime, profile: dict, prefill_steps: int = 1) -> dict | None:
+def model_run(steps, runtime, profile: dict, prefill_steps: int = 1, before: list | None = None) -> dict | None:
     """The planner's cost model on a served run's own routing: its layer calls (bench's per-token
     ``steps``) replayed through a cache with the runtime's pools, each decode call charged the
     profile's step table (runtime/plan/passes.py's served state costs) for the states the replay
@@ -282,7 +282,9 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1) -> dict | N
     Returns ``{"model_tpot_s", "model_hits" (experts per state per decode layer call), "model_tensor_hits"
     (the replay's tensor hits over the whole run, prefill included, against the counters')}``, or
     None without the profile's state costs or decode steps. Charged per layer call at batch 1 (a
-    call with more experts, as at batch > 1, is charged the table scaled: an approximation)."""
+    call with more experts, as at batch > 1, is charged the table scaled: an approximation).
+    ``before``: the layer calls the runtime served since it was loaded, before this run (a
+    warm-up, earlier runs): replayed first, not counted, so that the cache starts as the run's did."""
     from zipmoe.runtime.plan.model import StepTable
 
     sc = (profile or {}).get("step_costs") or {}
@@ -295,11 +297,14 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1) -> dict | N
         return None
     table = StepTable(runtime.top_k, per, bool(sc.get("graphs")), sc.get("miss_curve_s"))
     itemsize = int(getattr(runtime.compute_dtype, "itemsize", 2))
-    res = replay(calls, runtime.expert_tensors, dict(runtime.pools), age_every=runtime.cache.age_every,
+    first = list(before or [])
+    res = replay(first + calls, runtime.expert_tensors, dict(runtime.pools), age_every=runtime.cache.age_every,
                  slots=getattr(runtime, "slots", None) is not None, itemsize=itemsize)
+    n0 = len(first)
+    mine = res.decode[n0:]
+    counts = res.counts[n0:][mine]
     pred = ReplayPredictor([], runtime.expert_tensors, table, decode_layers=1)
-    counts = res.counts[res.decode]
     layers_s = sum(pred._value(c) for c in counts) / decode_steps
     return {"model_tpot_s": float(sc["resident_step_s"]) + layers_s,
             "model_hits": dict(zip(STATES, (counts.mean(axis=0) if len(counts) else np.zeros(len(STATES))).tolist())),
-            "model_tensor_hits": dict(zip(STATES, res.tensor_hits.sum(axis=0).tolist()))}
+            "model_tensor_hits": dict(zip(STATES, res.tensor_hits[n0:].sum(axis=0).tolist()))}
