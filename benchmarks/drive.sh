@@ -816,7 +816,7 @@ hl_plan() {  # the profile measured once (disk, decompression, merge, compute); 
             x zipmoe plan "$WORK/$tag.zmoe" --budget "$b" --calibrate "$PLAN_PROMPTS" --calibrate-tokens 16 --profile "$WORK/$tag-profile.json" \
                 --device "$DEVICE" -o "$WORK/$tag-plan-$b.json"
             [ -n "$DRY" ] || { trace=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['trace']['files'][-1])" "$WORK/$tag-plan-$b.json") \
-                && x cp "$trace" "$WORK/$tag-calib.jsonl" && { cp "${trace%.jsonl}.prefetch.json" "$WORK/$tag-calib.prefetch.json" 2>/dev/null || true; }; }
+                && x cp "$trace" "$WORK/$tag-calib.jsonl" && { cp "$trace.prefetch.json" "$WORK/$tag-calib.jsonl.prefetch.json" 2>/dev/null || true; }; }
         fi
         done_mark "$tag-plan-$b"
     done
