@@ -174,3 +174,51 @@ def test_replay_predictor_memoises_and_splits_cold_from_warm():
     assert r["warm"]["hits"][STATES.index("full")] == pytest.approx(1.0)
     assert r["warm"]["tpot_s"] == pytest.approx(0.01)
     assert planner.replayed({"full": 16}) is not None and len(planner.replayer._memo) == 1
+
+
+def test_split_by_prompt_keeps_prompts_whole():
+    calls = []
+    for p in range(5):
+        calls += [R.LayerCall(0, (p,), False), R.LayerCall(0, (p + 1,), True), R.LayerCall(0, (p + 2,), True)]
+    a, b = R.split_by_prompt(calls, 2)
+    assert a == calls[:6] and b == calls[6:]  # 2 prompts, then 3
+    assert R.split_by_prompt(calls[:3], 2) == [calls[:3]]  # one prompt: one part
+
+
+def _cycle(experts_of_prompt, prompts, steps=30):
+    calls = []
+    for p in range(prompts):
+        ex = experts_of_prompt(p)
+        for l in (0, 1):
+            calls.append(R.LayerCall(l, tuple(sorted(ex[:2])), False))
+        for s in range(steps):
+            for l in (0, 1):
+                calls.append(R.LayerCall(l, tuple(sorted({ex[s % len(ex)], ex[(s + 1) % len(ex)]})), True))
+    return calls
+
+
+def test_a_mixed_plan_must_win_on_each_half_of_the_prompts(monkeypatch):
+    """Routing whose first prompts cycle over more experts than full tensors hold (a compressed pool
+    holds them all) and whose last prompts over a few (both plans hit everything): the mixed plan
+    wins on the whole replay, thanks to the first half alone, so full tensors only is chosen; where
+    both halves favour it, the mixed plan is."""
+    from zipmoe.runtime.plan import planner as P
+
+    layout, stats, _, _ = _planner()
+    prof = {"costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False,
+                           "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.004, "e_only": 0.005,
+                                            "none": 0.006}}}
+    budget = layout.min_budget(1) + 3 * 20000 + 5 * 6144 * 2  # five experts a layer whole, about seven compressed
+    wide = lambda p: [0, 1, 2, 3, 4, 5, 6]  # noqa: E731 - seven experts: more than full tensors hold
+    narrow = lambda p: [8, 9, 10]  # noqa: E731
+    uneven = _cycle(wide, 2) + _cycle(narrow, 2)
+    plan = P.make_plan(layout, budget, stats, prof, workers=1, replay=(uneven, _tensors()))
+    full = plan["alternatives"]["full only"]
+    assert plan["pools"] == full["pools"]  # full tensors only ...
+    halves = plan["search"]["mixed_against_full_by_half_s"]
+    assert len(halves) == 2 and halves[0][0] < 0.97 * halves[0][1] and halves[1][0] > 0.97 * halves[1][1]
+    even = _cycle(wide, 4)
+    plan = P.make_plan(layout, budget, stats, prof, workers=1, replay=(even, _tensors()))
+    assert plan["pools"]["compressed"] > 0 and plan["expected_tpot_s"] < 0.97 * plan["alternatives"]["full only"]["expected_tpot_s"]

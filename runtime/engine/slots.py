@@ -26,7 +26,7 @@ import torch
 
 from zipmoe.runtime.engine.staging import cuda_block_bytes, own_device
 
-__all__ = ["SlotArena", "SlotMap", "slot_counts", "slot_victim"]
+__all__ = ["SlotArena", "SlotMap", "slot_counts", "slot_victim", "arena_bytes"]
 
 
 def slot_counts(expert_tensors: dict, capacity: int, itemsize: int, cuda: bool = False) -> dict[tuple, int]:
@@ -54,6 +54,17 @@ def slot_counts(expert_tensors: dict, capacity: int, itemsize: int, cuda: bool =
         k = max((k for k in ns if ns[k]), key=lambda k: ns[k] * size[k])
         ns[k] -= 1
     return ns
+
+
+def arena_bytes(expert_tensors: dict, counts: dict, itemsize: int, cuda: bool = False) -> int:
+    """What arenas with ``counts`` slots per kind take (on CUDA, as the caching allocator rounds
+    each): the full pool's bytes once :class:`SlotMap` has sized it."""
+    size = {(t.name, tuple(t.shape)): t.numel * itemsize for ts in expert_tensors.values() for t in ts}
+    total = 0
+    for k, n in counts.items():
+        b = int(n) * size[k]
+        total += cuda_block_bytes(b) if cuda and b else b
+    return total
 
 
 def slot_victim(cache, owners, uid: int):

@@ -110,13 +110,14 @@ class Planner:
         fetching = profile.get("costs", {}).get("dense_s_per_token_fetching")
         self.dense_fetching_s = max(self.dense_s, float(fetching)) if fetching is not None else self.dense_s
         self.replayer = None  # runtime.plan.replay.ReplayPredictor over the recorded routing (use_replay)
+        self.halves: list = []  # the same over each half of its prompts
 
     def use_replay(self, calls, expert_tensors, *, slots: bool = False, age_tokens: int | None = None) -> None:
         """Judge plans by replaying ``calls`` (the traces' layer calls) through the runtime's cache
         with each plan's pools (``slots``: the full pool as CUDA slot arenas, as the runtime keeps
         it on CUDA; ``age_tokens``: the cache's aging, EngineSettings.cache_age)."""
         from zipmoe.runtime.engine.settings import DEFAULT_AGE_TOKENS
-        from zipmoe.runtime.plan.replay import ReplayPredictor
+        from zipmoe.runtime.plan.replay import ReplayPredictor, split_by_prompt
 
         if not any(c.decode for c in calls):
             return
@@ -124,8 +125,11 @@ class Planner:
         units = len(lay.units)
         age = DEFAULT_AGE_TOKENS if age_tokens is None else int(age_tokens)
         age_every = age * max(1, lay.top_k) * max(1, units) * max(1, len(lay.sparse_layers))
-        self.replayer = ReplayPredictor(calls, expert_tensors, self.table, decode_layers=len(lay.decode_layers),
-                                        age_every=age_every, slots=slots, itemsize=lay.compute_itemsize)
+        kw = dict(decode_layers=len(lay.decode_layers), age_every=age_every, slots=slots, itemsize=lay.compute_itemsize)
+        self.replayer = ReplayPredictor(calls, expert_tensors, self.table, **kw)
+        # the same routing in two halves of its prompts: a mixed plan must win on each (choose_over_full)
+        self.halves = [ReplayPredictor(h, expert_tensors, self.table, **kw)
+                       for h in split_by_prompt(calls, 2) if any(c.decode for c in h)]
 
     def pools_of(self, slots: dict[str, float]) -> dict[str, int]:
         """A plan's pool bytes (what plan.json gives the runtime)."""
@@ -145,6 +149,21 @@ class Planner:
                 layers += self.layer_overhead * len(self.layout.decode_layers)
             out[name] = {"tpot_s": layers + self.dense_for(r["hits"]), "layers_s_per_step": layers, "hits": r["hits"]}
         return out
+
+    def _half_s(self, pred, slots: dict[str, float]) -> float:
+        r = pred.evaluate(self.pools_of(slots))["cold"]
+        layers = r["layers_s_per_step"] + (self.layer_overhead * len(self.layout.decode_layers) if self.step_costs is None else 0.0)
+        return layers + self.dense_for(r["hits"])
+
+    def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
+        """Whether a mixed plan is worth leaving full tensors only for: predicted at least
+        ``PREFER_FULL_MARGIN`` faster, and, with a replay, on each half of the recorded prompts as
+        well (a short calibration replayed whole can favour a plan by the luck of its few tokens:
+        the candidates are many and close). Returns ``(verdict, [(plan s, full s) per half])``."""
+        if self.judged_s(slots) > (1 - PREFER_FULL_MARGIN) * self.judged_s(full):
+            return False, []
+        halves = [(self._half_s(h, slots), self._half_s(h, full)) for h in self.halves]
+        return all(a <= (1 - PREFER_FULL_MARGIN) * b for a, b in halves), halves
 
     def judged_s(self, slots: dict[str, float]) -> float:
         """What a plan is chosen by: its time per token on the replayed routing (cold) when there
@@ -323,9 +342,11 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
             shortlist.append(planner.spend_rest(s, per_layer))
         best = min(shortlist, key=planner.judged_s)
     full_only = singles.get("full")
-    if full_only is not None and best != full_only and \
-            planner.judged_s(best) > (1 - PREFER_FULL_MARGIN) * planner.judged_s(full_only):
-        best = dict(full_only)  # not enough of a gain to leave full tensors
+    halves = []
+    if full_only is not None and best != full_only:
+        ok, halves = planner.beats_full(best, full_only)
+        if not ok:
+            best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
     chosen = planner.describe(best)
     alternatives = {}
     for name, slots in singles.items():
@@ -381,7 +402,9 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "alternatives": alternatives,
         "search": {"evaluated": res.evaluated, "judged_by": "replay" if planner.replayer is not None else "rank model",
                    **({"replayed_layer_calls": len(planner.replayer.calls),
-                       "replayed_decode_calls": planner.replayer.decode_calls} if planner.replayer is not None else {})},
+                       "replayed_decode_calls": planner.replayer.decode_calls,
+                       "mixed_against_full_by_half_s": [[float(a), float(b)] for a, b in halves]}
+                      if planner.replayer is not None else {})},
         "hit_model": chosen["hit_model"],
         "explain": planner.explain(best, singles),
         "profile": prof_summary,

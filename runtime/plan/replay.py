@@ -47,7 +47,7 @@ from zipmoe.runtime.engine.fetch import issue_order
 from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["LayerCall", "layer_calls_from_trace", "layer_calls_from_steps", "replay", "ReplayResult", "expert_state",
-           "SlotBook", "ReplayPredictor", "model_run"]
+           "SlotBook", "ReplayPredictor", "model_run", "split_by_prompt"]
 
 _INDEX = {s: i for i, s in enumerate(STATES)}
 
@@ -92,6 +92,22 @@ def layer_calls_from_steps(steps, prefill_steps: int = 1) -> list[LayerCall]:
     return out
 
 
+def split_by_prompt(calls: list[LayerCall], parts: int = 2) -> list[list[LayerCall]]:
+    """``calls`` cut into ``parts`` runs of whole prompts (a prompt: its prefill calls and the decode
+    calls after them), as equal in prompts as they divide; fewer parts when there are fewer prompts."""
+    prompts: list[list[LayerCall]] = []
+    for c in calls:
+        if not prompts or (not c.decode and prompts[-1][-1].decode):
+            prompts.append([])
+        prompts[-1].append(c)
+    parts = max(1, min(int(parts), len(prompts)))
+    out = []
+    for i in range(parts):
+        lo, hi = i * len(prompts) // parts, (i + 1) * len(prompts) // parts
+        out.append([c for pr in prompts[lo:hi] for c in pr])
+    return out
+
+
 def expert_state(states: list) -> str:
     """One expert's state from its tensors' (for the step table, which counts experts): the
     state of the tensor that needs the most work (``none`` > ``e_only`` > ``sm_only`` >
@@ -104,11 +120,15 @@ class SlotBook:
     the device memory: the same slots per kind of expert tensor (``slot_counts``) and, when a kind
     has none free, the same victim (``slot_victim``: its least-used unpinned tensor)."""
 
-    def __init__(self, expert_tensors: dict, capacity: int, itemsize: int = 2, cuda: bool = False) -> None:
+    def __init__(self, expert_tensors: dict, capacity: int, itemsize: int = 2, cuda: bool = False,
+                 counts: dict | None = None) -> None:
+        """``capacity``: the full pool's bytes as the plan gives them (the runtime sizes its arenas
+        from those, then keeps the arenas' own bytes as the pool's); ``counts``: the slots per kind
+        instead (a runtime's ``SlotMap``: ``{key: arena.slots}``)."""
         from zipmoe.runtime.engine.slots import slot_counts
 
         self.key = {t.uid: (t.name, tuple(t.shape)) for ts in expert_tensors.values() for t in ts}
-        self.free = slot_counts(expert_tensors, capacity, itemsize, cuda=cuda)
+        self.free = dict(counts) if counts is not None else slot_counts(expert_tensors, capacity, itemsize, cuda=cuda)
         self.owners: dict[tuple, set] = {k: set() for k in self.free}
         self.cache = None
 
@@ -169,15 +189,26 @@ class ReplayResult:
         return self.counts[m].mean(axis=0)
 
 
-def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_every: int = 0, slots: bool = False,
+def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_every: int = 0, slots: bool | dict = False,
            itemsize: int = 2, cache: ExpertCache | None = None) -> ReplayResult:
     """Run ``calls`` through a fresh :class:`ExpertCache` with ``pools`` (bytes per pool; or through
     ``cache``, to continue a replay) and the tensors of ``expert_tensors`` (``{(layer, expert):
-    [ExpertTensor]}``, as the runtime builds them from the container)."""
+    [ExpertTensor]}``, as the runtime builds them from the container). ``slots``: the full pool is
+    CUDA slot arenas, sized from its bytes as the runtime sizes them (``True``), or with these slots
+    per kind (a dict: a runtime's own arenas, whose pool bytes are already the arenas')."""
     if cache is None:
+        counts = None
+        if slots and int(pools.get("full", 0)) > 0:
+            from zipmoe.runtime.engine.slots import arena_bytes, slot_counts
+
+            if isinstance(slots, dict):
+                counts = dict(slots)
+            else:  # as Runtime sizes them: slots from the plan's bytes, the pool then the arenas' bytes
+                counts = slot_counts(expert_tensors, int(pools["full"]), itemsize, cuda=True)
+                pools = dict(pools, full=arena_bytes(expert_tensors, counts, itemsize, cuda=True))
         cache = ExpertCache(pools, demote=_demote, age_every=age_every)
-        if slots and cache.pools["full"].capacity > 0:
-            SlotBook(expert_tensors, cache.pools["full"].capacity, itemsize, cuda=True).attach(cache)
+        if counts is not None:
+            SlotBook(expert_tensors, cache.pools["full"].capacity, itemsize, counts=counts).attach(cache)
     n = len(calls)
     counts = np.zeros((n, len(STATES)), dtype=np.int64)
     thits = np.zeros((n, len(STATES)), dtype=np.int64)
@@ -298,8 +329,10 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1, before: lis
     table = StepTable(runtime.top_k, per, bool(sc.get("graphs")), sc.get("miss_curve_s"))
     itemsize = int(getattr(runtime.compute_dtype, "itemsize", 2))
     first = list(before or [])
+    sm = getattr(runtime, "slots", None)
+    counts = {key: arena.slots for key, arena in sm.arenas.items()} if sm is not None else False
     res = replay(first + calls, runtime.expert_tensors, dict(runtime.pools), age_every=runtime.cache.age_every,
-                 slots=getattr(runtime, "slots", None) is not None, itemsize=itemsize)
+                 slots=counts, itemsize=itemsize)
     n0 = len(first)
     mine = res.decode[n0:]
     counts = res.counts[n0:][mine]
