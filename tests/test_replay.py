@@ -95,8 +95,12 @@ def test_slot_book_keeps_a_kind_within_its_slots_and_evicts_the_least_used_of_th
             self.uid, self.name, self.shape, self.numel = uid, name, (4, 4), 16
 
     ets = {(0, e): [T(2 * e, "gate_up"), T(2 * e + 1, "down")] for e in range(4)}
+    from zipmoe.runtime.engine.slots import slot_counts
+
     cache = ExpertCache({"full": 10 ** 6})
-    book = R.SlotBook(ets, capacity=2 * 32 * 2, itemsize=2)  # room for two of each kind
+    counts = slot_counts(ets, 2 * 32 * 2, itemsize=2)
+    assert counts == {("gate_up", (4, 4)): 2, ("down", (4, 4)): 2}  # room for two of each kind
+    book = R.SlotBook(ets, counts)
     book.attach(cache)
     for uid in (0, 2, 0):  # gate_up of experts 0, 1; expert 0 used twice
         cache.touch(uid)

@@ -81,9 +81,13 @@ def plan(
     if budget_bytes is None and not profile_only:
         raise UsageError("--budget is required (e.g. --budget 24G), unless --profile-only")
     dev = resolve_device(device)
+    from zipmoe.runtime.plan.layout import expert_tensors
+
     with ContainerReader(path) as reader:
         layout = container_layout(reader, dtype, dev)
         cid = reader.container_id
+        # the tensors a replay of the routing needs (--trace, --calibrate), read with the index once
+        ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize) if (trace or calibrate) and not profile_only else None
     if budget_bytes is not None and budget_bytes < layout.min_budget(workers):
         make_plan(layout, budget_bytes, None, {}, workers=workers)  # raises BudgetError with the minimum
 
@@ -142,12 +146,9 @@ def plan(
 
     replay = None
     if traces:  # the recorded routing itself: the best candidates are judged by replaying it (docs/planner.md)
-        from zipmoe.runtime.plan.layout import expert_tensors
         from zipmoe.runtime.plan.replay import layer_calls_from_trace
 
-        with ContainerReader(path) as reader:
-            replay = (layer_calls_from_trace(traces, layers=layout.sparse_layers),
-                      expert_tensors(reader, compute_itemsize=layout.compute_itemsize))
+        replay = (layer_calls_from_trace(traces, layers=layout.sparse_layers), ets)
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
                        profile_path=str(profile) if profile is not None else None,
                        prefetch_recall=read_recall(traces) if traces else None, replay=replay)

@@ -65,9 +65,15 @@ from collections import OrderedDict
 
 from zipmoe.runtime.engine.settings import DEFAULT_AGE_TOKENS  # counts halve every this many tokens (module doc)
 
-__all__ = ["Pool", "ExpertCache", "POOLS", "DEFAULT_AGE_TOKENS"]
+__all__ = ["Pool", "ExpertCache", "POOLS", "DEFAULT_AGE_TOKENS", "aging_period"]
 
 POOLS = ("full", "compressed", "sm_only", "e_only")
+
+
+def aging_period(age_tokens: int, top_k: int, tensors_per_expert: int, sparse_layers: int) -> int:
+    """``ExpertCache(age_every=)`` for counts that halve every ``age_tokens`` tokens at batch 1:
+    a token touches ``top_k`` experts' tensors in every sparse layer (the module doc, "Aging")."""
+    return int(age_tokens) * max(1, int(top_k)) * max(1, int(tensors_per_expert)) * max(1, int(sparse_layers))
 
 
 class Pool:

@@ -45,7 +45,7 @@ import torch
 from zipmoe.errors import BudgetError, ModelError, UsageError
 from zipmoe.units import format_size
 
-from zipmoe.runtime.engine.cache import POOLS, ExpertCache
+from zipmoe.runtime.engine.cache import POOLS, ExpertCache, aging_period
 from zipmoe.runtime.engine.counters import Counters
 from zipmoe.runtime.engine.decoder import Decoder
 from zipmoe.runtime.engine.device_side import DeviceSide, demote
@@ -240,8 +240,8 @@ class Runtime:
         self.counters.note_held(self.held_bytes())
 
     def _new_cache(self, caps: dict) -> ExpertCache:
-        per_token = max(1, int(self.top_k)) * len(next(iter(self.expert_tensors.values()), [])) * max(1, len(self.sparse_layers))
-        cache = ExpertCache(caps, demote=demote, age_every=self.cache_age * per_token)
+        units = len(next(iter(self.expert_tensors.values()), []))
+        cache = ExpertCache(caps, demote=demote, age_every=aging_period(self.cache_age, self.top_k, units, len(self.sparse_layers)))
         if self.slots is not None:
             self.slots.attach(cache)
         return cache

@@ -116,18 +116,18 @@ class Planner:
         """Judge plans by replaying ``calls`` (the traces' layer calls) through the runtime's cache
         with each plan's pools (``slots``: the full pool as CUDA slot arenas, as the runtime keeps
         it on CUDA; ``age_tokens``: the cache's aging, EngineSettings.cache_age)."""
+        from zipmoe.runtime.engine.cache import aging_period
         from zipmoe.runtime.engine.settings import DEFAULT_AGE_TOKENS
         from zipmoe.runtime.plan.replay import ReplayPredictor, split_by_prompt
 
         if not any(c.decode for c in calls):
             return
         lay = self.layout
-        units = len(lay.units)
         age = DEFAULT_AGE_TOKENS if age_tokens is None else int(age_tokens)
-        age_every = age * max(1, lay.top_k) * max(1, units) * max(1, len(lay.sparse_layers))
+        age_every = aging_period(age, lay.top_k, len(lay.units), len(lay.sparse_layers))
         kw = dict(decode_layers=len(lay.decode_layers), age_every=age_every, slots=slots, itemsize=lay.compute_itemsize)
         self.replayer = ReplayPredictor(calls, expert_tensors, self.table, **kw)
-        # the same routing in two halves of its prompts: a mixed plan must win on each (choose_over_full)
+        # the same routing in two halves of its prompts: a mixed plan must win on each (beats_full)
         self.halves = [ReplayPredictor(h, expert_tensors, self.table, **kw)
                        for h in split_by_prompt(calls, 2) if any(c.decode for c in h)]
 
@@ -142,18 +142,18 @@ class Planner:
         None without a replay."""
         if self.replayer is None:
             return None
-        out = {}
-        for name, r in self.replayer.evaluate(self.pools_of(slots)).items():
-            layers = r["layers_s_per_step"]
-            if self.step_costs is None:  # the schedule model's makespans: its overheads and dense time on top
-                layers += self.layer_overhead * len(self.layout.decode_layers)
-            out[name] = {"tpot_s": layers + self.dense_for(r["hits"]), "layers_s_per_step": layers, "hits": r["hits"]}
-        return out
+        return {name: self._with_tpot(r) for name, r in self.replayer.evaluate(self.pools_of(slots)).items()}
+
+    def _with_tpot(self, r: dict) -> dict:
+        """A replay's figures with its time per token: the layers, then (the schedule model's
+        makespans) their overheads, and the time outside them."""
+        layers = r["layers_s_per_step"]
+        if self.step_costs is None:
+            layers += self.layer_overhead * len(self.layout.decode_layers)
+        return {"tpot_s": layers + self.dense_for(r["hits"]), "layers_s_per_step": layers, "hits": r["hits"]}
 
     def _half_s(self, pred, slots: dict[str, float]) -> float:
-        r = pred.evaluate(self.pools_of(slots))["cold"]
-        layers = r["layers_s_per_step"] + (self.layer_overhead * len(self.layout.decode_layers) if self.step_costs is None else 0.0)
-        return layers + self.dense_for(r["hits"])
+        return self._with_tpot(pred.evaluate(self.pools_of(slots))["cold"])["tpot_s"]
 
     def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
         """Whether a mixed plan is worth leaving full tensors only for: predicted at least

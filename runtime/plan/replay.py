@@ -47,7 +47,7 @@ from zipmoe.runtime.engine.fetch import issue_order
 from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["LayerCall", "layer_calls_from_trace", "layer_calls_from_steps", "replay", "ReplayResult", "expert_state",
-           "SlotBook", "ReplayPredictor", "model_run", "split_by_prompt"]
+           "SlotBook", "ReplayPredictor", "model_run", "split_by_prompt", "table_index", "table_value"]
 
 _INDEX = {s: i for i, s in enumerate(STATES)}
 
@@ -117,18 +117,13 @@ def expert_state(states: list) -> str:
 
 class SlotBook:
     """The slot accounting of the full pool's device arenas (engine/slots.py ``SlotMap``) without
-    the device memory: the same slots per kind of expert tensor (``slot_counts``) and, when a kind
-    has none free, the same victim (``slot_victim``: its least-used unpinned tensor)."""
+    the device memory: ``counts`` slots per kind of expert tensor (``slot_counts``, or a runtime's
+    own arenas) and, when a kind has none free, the same victim (``slot_victim``: its least-used
+    unpinned tensor)."""
 
-    def __init__(self, expert_tensors: dict, capacity: int, itemsize: int = 2, cuda: bool = False,
-                 counts: dict | None = None) -> None:
-        """``capacity``: the full pool's bytes as the plan gives them (the runtime sizes its arenas
-        from those, then keeps the arenas' own bytes as the pool's); ``counts``: the slots per kind
-        instead (a runtime's ``SlotMap``: ``{key: arena.slots}``)."""
-        from zipmoe.runtime.engine.slots import slot_counts
-
+    def __init__(self, expert_tensors: dict, counts: dict) -> None:
         self.key = {t.uid: (t.name, tuple(t.shape)) for ts in expert_tensors.values() for t in ts}
-        self.free = dict(counts) if counts is not None else slot_counts(expert_tensors, capacity, itemsize, cuda=cuda)
+        self.free = dict(counts)
         self.owners: dict[tuple, set] = {k: set() for k in self.free}
         self.cache = None
 
@@ -197,18 +192,18 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
     CUDA slot arenas, sized from its bytes as the runtime sizes them (``True``), or with these slots
     per kind (a dict: a runtime's own arenas, whose pool bytes are already the arenas')."""
     if cache is None:
-        counts = None
+        book = None
         if slots and int(pools.get("full", 0)) > 0:
             from zipmoe.runtime.engine.slots import arena_bytes, slot_counts
 
             if isinstance(slots, dict):
-                counts = dict(slots)
+                book = dict(slots)
             else:  # as Runtime sizes them: slots from the plan's bytes, the pool then the arenas' bytes
-                counts = slot_counts(expert_tensors, int(pools["full"]), itemsize, cuda=True)
-                pools = dict(pools, full=arena_bytes(expert_tensors, counts, itemsize, cuda=True))
+                book = slot_counts(expert_tensors, int(pools["full"]), itemsize, cuda=True)
+                pools = dict(pools, full=arena_bytes(expert_tensors, book, itemsize, cuda=True))
         cache = ExpertCache(pools, demote=_demote, age_every=age_every)
-        if counts is not None:
-            SlotBook(expert_tensors, cache.pools["full"].capacity, itemsize, counts=counts).attach(cache)
+        if book is not None:
+            SlotBook(expert_tensors, book).attach(cache)
     n = len(calls)
     counts = np.zeros((n, len(STATES)), dtype=np.int64)
     thits = np.zeros((n, len(STATES)), dtype=np.int64)
@@ -240,6 +235,31 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
     return ReplayResult(counts, thits, layers, decode)
 
 
+def table_index(table) -> dict:
+    """``{count vector: row}`` of a layer table (runtime/plan/model.py ``StepTable``, ``MakespanTable``)."""
+    return {tuple(int(x) for x in c): i for i, c in enumerate(table.comps.tolist())}
+
+
+def table_value(table, index: dict, c) -> float:
+    """The table's value for a layer call's count vector. The table is for ``k`` experts per call
+    (a decode step at batch 1); a call with ``n`` other than ``k`` (a prefill, a batch of rows, a
+    trace cut short) is charged the table at the vector scaled to ``k`` (largest remainders),
+    times ``n / k``."""
+    key = tuple(int(x) for x in c)
+    i = index.get(key)
+    if i is not None:
+        return float(table.values[i])
+    n = sum(key)
+    if n <= 0:
+        return 0.0
+    k = int(table.comps[0].sum())
+    exact = np.array(key, dtype=np.float64) * k / n
+    base = np.floor(exact).astype(np.int64)
+    for j in np.argsort(-(exact - base))[: k - int(base.sum())]:
+        base[j] += 1
+    return float(table.values[index[tuple(int(x) for x in base)]]) * n / k
+
+
 class ReplayPredictor:
     """A plan's layers on recorded routing: per pool sizes in, the mean of the planner's layer
     table (``table.values`` per count vector: runtime/plan/model.py ``StepTable`` or
@@ -256,28 +276,12 @@ class ReplayPredictor:
         self.table = table
         self.decode_layers = max(1, int(decode_layers))
         self.age_every, self.slots, self.itemsize = int(age_every), bool(slots), int(itemsize)
-        self._index = {tuple(int(x) for x in c): i for i, c in enumerate(table.comps.tolist())}
+        self._index = table_index(table)
         self.decode_calls = sum(1 for c in self.calls if c.decode)
         self._memo: dict = {}
 
     def _value(self, c) -> float:
-        """The table's value for a layer call's count vector. The table is for ``k`` experts per
-        call (a decode step at batch 1); a call with ``n`` other than ``k`` (a prefill, a batch of
-        rows, a trace cut short) is charged the table at the vector scaled to ``k`` (largest
-        remainders), times ``n / k``."""
-        key = tuple(int(x) for x in c)
-        i = self._index.get(key)
-        if i is not None:
-            return float(self.table.values[i])
-        n = sum(key)
-        if n <= 0:
-            return 0.0
-        k = int(self.table.comps[0].sum())
-        exact = np.array(key, dtype=np.float64) * k / n
-        base = np.floor(exact).astype(np.int64)
-        for j in np.argsort(-(exact - base))[: k - int(base.sum())]:
-            base[j] += 1
-        return float(self.table.values[self._index[tuple(int(x) for x in base)]]) * n / k
+        return table_value(self.table, self._index, c)
 
     def _layers_s(self, counts: np.ndarray) -> float:
         """Mean table value of these calls' count vectors, times the decode layers: per step."""
@@ -327,17 +331,15 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1, before: lis
     if not decode_steps or not any(c.decode for c in calls):
         return None
     table = StepTable(runtime.top_k, per, bool(sc.get("graphs")), sc.get("miss_curve_s"))
-    itemsize = int(getattr(runtime.compute_dtype, "itemsize", 2))
     first = list(before or [])
-    sm = getattr(runtime, "slots", None)
-    counts = {key: arena.slots for key, arena in sm.arenas.items()} if sm is not None else False
+    sm = getattr(runtime, "slots", None)  # the run's own arenas (its pool bytes are theirs already)
+    arenas = {key: arena.slots for key, arena in sm.arenas.items()} if sm is not None else False
     res = replay(first + calls, runtime.expert_tensors, dict(runtime.pools), age_every=runtime.cache.age_every,
-                 slots=counts, itemsize=itemsize)
+                 slots=arenas)
     n0 = len(first)
-    mine = res.decode[n0:]
-    counts = res.counts[n0:][mine]
-    pred = ReplayPredictor([], runtime.expert_tensors, table, decode_layers=1)
-    layers_s = sum(pred._value(c) for c in counts) / decode_steps
+    counts = res.counts[n0:][res.decode[n0:]]
+    index = table_index(table)
+    layers_s = sum(table_value(table, index, c) for c in counts) / decode_steps
     return {"model_tpot_s": float(sc["resident_step_s"]) + layers_s,
             "model_hits": dict(zip(STATES, (counts.mean(axis=0) if len(counts) else np.zeros(len(STATES))).tolist())),
             "model_tensor_hits": dict(zip(STATES, res.tensor_hits[n0:].sum(axis=0).tolist()))}
