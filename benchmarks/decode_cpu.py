@@ -1,15 +1,19 @@
 """Decode on the CPU before and after zipmoe's decode loop, in one run.
 
     .venv/bin/python benchmarks/decode_cpu.py /tmp/h14/demo.zmoe [--threads 2] [--tokens 32]
-        [--dtype auto] [--contexts 4096,512] [--chat-budget 800M] [--runs 3]
+        [--dtype auto] [--contexts 4096:fixed,4096,512:fixed] [--chat-budget 800M] [--chat-kv grow]
+        [--runs 3]
 
 1. Every expert in budget, warm (``warm=True``: no misses in the timed steps): time per
    output token of ``model.generate`` (transformers' loop, dynamic cache: the path before)
    and of :class:`zipmoe.runtime.engine.loop.DecodeLoop` (static cache, each ``--contexts``
-   length), greedy, ``--tokens`` new tokens (EOS suppressed), the median of ``--runs``.
+   entry: ``N`` a cache growing to the conversation up to N positions, the default;
+   ``N:fixed`` N positions allocated at once), greedy, ``--tokens`` new tokens (EOS
+   suppressed), the median of ``--runs``.
 2. A two-turn chat at ``--chat-budget``: TTFT and TPOT of turn 1 and turn 2, before (every
    turn ``model.generate`` on the whole rendered conversation) and after (the loop keeping the
-   conversation's KV cache: turn 2 prefills only its new suffix), as ``zipmoe chat`` runs them.
+   conversation's KV cache: turn 2 prefills only its new suffix), as ``zipmoe chat`` runs them;
+   the loop once per ``--chat-kv`` (``grow``, ``fixed`` or both).
 
 Prints one table per part and a JSON document (``--json FILE``). Timings on a shared machine
 move with its load: the script prints the load average at the start and the end.
@@ -73,16 +77,17 @@ def resident(args) -> dict:
             return _tpot(clock.times)
 
         rows = [("model.generate (before)", before)]
-        for ctx in args.contexts:
-            loop = DecodeLoop(model, context=ctx)
+        for ctx, kv in args.contexts:
+            loop = DecodeLoop(model, context=ctx, kv=kv)
 
-            def after(loop=loop, ctx=ctx):
+            def after(loop=loop, key=f"loop@{ctx}:{kv}"):
                 with torch.inference_mode():
                     res = loop.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-                tokens[f"loop@{ctx}"] = res.tokens[0]
+                tokens[key] = res.tokens[0]
                 return res.stats["tpot_s"]
 
-            rows.append((f"loop, context {loop.context} (after)", after))
+            what = f"grows to {loop.columns}" if loop.growing else "fixed"
+            rows.append((f"loop, context {loop.context}, {what} (after)", after))
         for _, fn in rows:  # warm-up of each path
             fn()
         figures = {name: [] for name, _ in rows}
@@ -104,11 +109,12 @@ def chat(args) -> dict:
     from zipmoe.runtime.engine.loop import DecodeLoop
 
     out = {}
-    for engine in ("generate", "loop"):
+    sides = {"generate": None} | {("after" if kv == "grow" else f"after ({kv})"): kv for kv in args.chat_kv}
+    for side, kv in sides.items():
         model, tok = _load(args.container, args.chat_budget, args.threads, args.dtype, warm=False)
         rt = model.zipmoe
         try:
-            loop = DecodeLoop(model, context=args.chat_context) if engine == "loop" else None
+            loop = DecodeLoop(model, context=args.chat_context, kv=kv) if kv is not None else None
             history, turns = [], []
             for text in args.turns:
                 history.append({"role": "user", "content": text})
@@ -121,11 +127,14 @@ def chat(args) -> dict:
                 history.append({"role": "assistant", "content": res.text})
                 s = res.stats
                 turns.append({k: s.get(k) for k in ("ttft_s", "tpot_s", "prompt_tokens", "prefill_tokens",
-                                                     "new_tokens", "hit_rate")} | {"token_ids": res.token_ids})
-            out["before" if engine == "generate" else "after"] = turns
+                                                     "new_tokens", "hit_rate")} | {"token_ids": res.token_ids}
+                             | {"kv_columns": loop.columns if loop is not None else None})
+            out["before" if kv is None else side] = turns
         finally:
             rt.close()
-    out["same_tokens"] = [a["token_ids"] == b["token_ids"] for a, b in zip(out["before"], out["after"])]
+    out["sides"] = ["before"] + [k for k in sides if k != "generate"]
+    out["same_tokens"] = [all(out[k][i]["token_ids"] == t["token_ids"] for k in out["sides"])
+                          for i, t in enumerate(out["before"])]
     return out
 
 
@@ -136,15 +145,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--contexts", default="4096,512", help="KV cache lengths of the loop, comma separated")
+    ap.add_argument("--contexts", default="4096:fixed,4096,512:fixed",
+                    help="the loop's KV caches, comma separated: N (growing up to N positions) or N:fixed")
     ap.add_argument("--chat-budget", default="800M")
     ap.add_argument("--chat-context", type=int, default=4096)
+    ap.add_argument("--chat-kv", default="grow", help="the chat loop's KV cache: grow, fixed, or grow,fixed")
     ap.add_argument("--prompt", default="Write a short poem about the sea.")
     ap.add_argument("--turns", nargs="+", default=["What is the capital of France?", "And what is it famous for?"])
     ap.add_argument("--skip", choices=["resident", "chat"], default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    args.contexts = [(int(x.split(":")[0]), (x.split(":") + ["grow"])[1]) for x in args.contexts.split(",") if x]
+    args.chat_kv = [x for x in args.chat_kv.split(",") if x]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     doc = {"container": args.container, "threads": args.threads, "tokens": args.tokens,
            "load_start": os.getloadavg(), "cores": len(os.sched_getaffinity(0))}
@@ -162,11 +174,12 @@ def main() -> None:
         c = chat(args)
         doc["chat"] = c
         print(f"\ntwo-turn chat at {args.chat_budget} (greedy, up to {args.tokens} new tokens per turn):")
-        for side in ("before", "after"):
+        for side in c["sides"]:
             for i, t in enumerate(c[side]):
                 tp = f"{t['tpot_s'] * 1000:7.1f} ms" if t["tpot_s"] else "   n/a"
-                print(f"  {side:6s} turn {i + 1}: TTFT {t['ttft_s']:6.2f} s, TPOT {tp}, prompt {t['prompt_tokens']} tokens, "
-                      f"prefilled {t['prefill_tokens']}, {t['new_tokens']} new")
+                cols = f", KV {t['kv_columns']} positions" if t["kv_columns"] else ""
+                print(f"  {side:14s} turn {i + 1}: TTFT {t['ttft_s']:6.2f} s, TPOT {tp}, prompt {t['prompt_tokens']} tokens, "
+                      f"prefilled {t['prefill_tokens']}, {t['new_tokens']} new{cols}")
         print(f"  same tokens per turn: {c['same_tokens']}")
     doc["load_end"] = os.getloadavg()
     print(f"\nload average at the end: {doc['load_end'][0]:.2f}")

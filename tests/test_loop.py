@@ -2,7 +2,9 @@
 
 The reference is the source checkpoint in transformers with eager experts, generating with a
 ``StaticCache`` of the same length (the same cache implementation: a dynamic cache, or a static
-one of another length, changes the attention's bits). Every decoder-only family, batch 1 and
+one of another length, changes the attention's bits; a cache that grows is compared with
+transformers generating over a ``StaticCache`` of the loop's columns, copied into a larger one
+where the loop grew). Every decoder-only family, batch 1 and
 4 (left padding), at budgets from every expert resident to the smallest, several decode
 steps; multi-turn reuse of the cache against transformers carrying its own cache over the same
 way (crop to the common prefix, feed the rest). The same tests run on CUDA with ``-m gpu``.
@@ -185,6 +187,106 @@ def test_context_limits_and_options(tmp_path_factory):
         c = Counting(model, context=16)
         c.generate(torch.arange(3, 8)[None], max_new_tokens=4, do_sample=False, generation_kwargs={"pad_token_id": 0})
         assert Counting.calls == 4  # the prefill and three steps, every one through forward()
+    finally:
+        model.zipmoe.close()
+
+
+def _grow(cache, columns: int, config):
+    """``cache`` copied into a ``StaticCache`` of ``columns`` positions (what the loop does when
+    it grows): the same keys and values at the same positions."""
+    from transformers import StaticCache
+
+    held = int(cache.get_seq_length())
+    big = StaticCache(config=config, max_cache_len=columns)
+    for new, old in zip(big.layers, cache.layers):
+        new.lazy_initialization(old.keys[:, :, :0], old.values[:, :, :0])
+        new.keys[:, :, :held] = old.keys[:, :, :held]
+        new.values[:, :, :held] = old.values[:, :, :held]
+        new.cumulative_length.fill_(held)
+    return big
+
+
+def _ref_growing(ref, batch: dict, steps: int, chunk: int, context: int):
+    """transformers' generate over a ``StaticCache`` of the loop's columns at every step: from
+    the smallest doubling of ``chunk`` that holds the prompt, generating until the next token
+    would need a column past it, then the cache copied into one twice the size and generate
+    called again with the sequence so far (it feeds the positions the cache does not hold)."""
+    from types import SimpleNamespace
+
+    from transformers import StaticCache
+
+    from zipmoe.runtime.engine.kvsize import chunked
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    cols = chunked(ids.shape[1], chunk, context)
+    cache = StaticCache(config=ref.config, max_cache_len=cols)
+    logits, seq = [], ids
+    while len(logits) < steps:
+        k = min(cols - seq.shape[1] + 1, steps - len(logits))  # until the cache holds cols positions
+        m = torch.cat([mask, mask.new_ones((mask.shape[0], seq.shape[1] - mask.shape[1]))], dim=-1)
+        out = _ref_generate(ref, {"input_ids": seq, "attention_mask": m}, k, cache=cache, min_new_tokens=k)
+        logits += list(out.logits)
+        seq = out.sequences
+        if len(logits) < steps:
+            cols = chunked(cols + 1, chunk, context)
+            cache = _grow(cache, cols, ref.config)
+    return SimpleNamespace(logits=logits, sequences=seq)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
+def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_factory, family):
+    """``kv="grow"`` (the default): the cache starts at the smallest doubling of ``chunk`` that
+    holds the prompt and doubles when a step needs room. Every step's logits are ``torch.equal``
+    to transformers' generate over a ``StaticCache`` of the loop's columns at that step (grown by
+    the same copy), batch 1 and 4 (left padding); a fresh prefill sizes the cache to its prompt
+    again; what it holds is what a StaticCache of its columns allocates."""
+    src, path = container(tmp_path_factory, family)
+    ref = reference(src)
+    vocab = _vocab(src)
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    chunk, context, steps = 8, 64, 40  # a 10-token prompt: 16 columns, then 32, then 64
+    try:
+        for b, batch in {1: inputs(vocab, False, batch=1, seed=1), 4: inputs(vocab, False, batch=4)}.items():
+            loop = DecodeLoop(model, context=context, batch=b, chunk=chunk)
+            assert loop.growing and loop.columns == chunk
+            columns = []
+            res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=steps, min_new_tokens=steps,
+                                do_sample=False, keep_logits=True, generation_kwargs={"pad_token_id": 0},
+                                on_token=lambda _ids: columns.append(loop.columns))
+            want = _ref_growing(ref, batch, steps, chunk, context)
+            _check(res, want, batch["input_ids"].shape[1], f"{family} batch {b}")
+            assert sorted(set(columns)) == [16, 32, 64] and loop.growths == 3 and res.stats["kv_columns"] == 64
+            assert loop.kv_bytes == static_cache_bytes(model.config, batch=b, context=64, itemsize=model.dtype.itemsize)
+            assert loop.kv_bytes_limit == loop.kv_bytes  # grown to the whole context
+            loop.prefill(batch["input_ids"], batch["attention_mask"])
+            assert loop.columns == 16 and loop.kv_bytes * 4 == loop.kv_bytes_limit
+    finally:
+        model.zipmoe.close()
+
+
+def test_fixed_and_growing_caches_say_what_they_hold(tmp_path_factory):
+    src, path = container(tmp_path_factory, "mixtral")
+    req = requirements(path, workers=1)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=1)
+    try:
+        fixed = DecodeLoop(model, context=100, kv="fixed")
+        assert not fixed.growing and fixed.columns == 100 and fixed.kv_bytes == fixed.kv_bytes_limit
+        assert fixed.describe_kv().startswith("KV cache: 100 tokens, ")
+        grow = DecodeLoop(model, context=10**6)
+        assert grow.growing and grow.columns == 256 and grow.kv_bytes < grow.kv_bytes_limit
+        line = grow.describe_kv(10**6)
+        assert f"from 256 to {grow.context} tokens (asked for 1000000" in line and "at most" in line
+        with pytest.raises(UsageError, match="kv must be"):
+            DecodeLoop(model, context=100, kv="elastic")
+        # the reuse path grows too, keeping what the cache holds
+        loop = DecodeLoop(model, context=64, chunk=8)
+        first = loop.generate(torch.arange(3, 9)[None], max_new_tokens=4, min_new_tokens=4, do_sample=False, reuse=True)
+        held = loop.tokens[0][:]
+        assert loop.columns == 16 and len(held) == 9
+        conv = held + first.tokens[0][-1:] + list(range(20, 30))
+        res = loop.generate(torch.tensor([conv]), max_new_tokens=2, min_new_tokens=2, do_sample=False, reuse=True)
+        assert res.stats["reused_tokens"] == 9 and loop.columns == 32 and loop.tokens[0][:9] == held
     finally:
         model.zipmoe.close()
 

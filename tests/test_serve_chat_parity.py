@@ -96,6 +96,7 @@ def test_the_servers_context_is_its_loops(tmp_path_factory):
             time.sleep(0.05)
         assert state.ready, state.load_error
         assert state.stepper.loop.context == 40 and state.context == 40
+        assert state.stepper.loop.growing  # the KV cache chat's loop has: sized to the conversation
         assert state.stepper.fits_loop(state.context)
     finally:
         state.stop()

@@ -180,10 +180,7 @@ def chat(
     if not quiet:
         err.print(_describe(model, threads), style="dim", markup=False)
         if loop is not None:
-            kv = format_size(loop.kv_bytes) if loop.kv_bytes is not None else "allocated at the first turn"
-            note = (f" (asked for {context}; the model's limit is {loop.context})" if loop.clamped else "")
-            err.print(f"KV cache: {loop.context} tokens{note}, {kv} on top of the budget", style="dim", markup=False,
-                      soft_wrap=True)
+            err.print(loop.describe_kv(context), style="dim", markup=False, soft_wrap=True)
     base = [{"role": "system", "content": system}] if system else []
 
     def turn(messages, stream: bool):

@@ -124,9 +124,7 @@ def serve(
         rt = state.model.zipmoe
         loop = state.stepper.loop
         if loop is not None:
-            kv = format_size(loop.kv_bytes) if loop.kv_bytes is not None else "allocated at the first request"
-            note = f" (asked for {context}; the model's limit is {loop.context})" if loop.clamped else ""
-            _say(f"zipmoe serve: KV cache of a lone request's decode loop: {loop.context} tokens{note}, {kv} on top of the budget")
+            _say(f"zipmoe serve: a lone request's {loop.describe_kv(context)}")
         _say(f"zipmoe serve: ready: {rt.family.name}, context {state.context} tokens, batches of up to "
              f"{max_batch}, budget {format_size(rt.budget)}{', API key required' if api_key else ''}")
 

@@ -561,7 +561,9 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
 
     rec.update(workload_record(case, gen, forced))
     if loop is not None:
-        rec.update(context=loop.context, kv_bytes=loop.kv_bytes, stop=res.stop)
+        # kv_bytes: what the cache may reach (the whole context: the cgroup's allowance);
+        # kv_columns: the positions it had grown to by the run's end
+        rec.update(context=loop.context, kv_bytes=loop.kv_bytes_limit, kv_columns=loop.columns, stop=res.stop)
     if runtime is not None:
         diff = counter_diff(c0, c1) if c0 is not None else c1
         rec["counters"] = diff

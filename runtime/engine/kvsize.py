@@ -14,7 +14,10 @@ decoder layer holds a self-attention and a cross-attention cache (``num_heads`` 
 
 from __future__ import annotations
 
-__all__ = ["kv_cache_bytes", "kv_cache_bytes_upper", "kv_shapes", "max_context", "static_cache_bytes"]
+__all__ = ["CHUNK", "chunked", "kv_cache_bytes", "kv_cache_bytes_upper", "kv_shapes", "max_context", "plain_static",
+           "static_cache_bytes"]
+
+CHUNK = 256  # the positions a growing KV cache first takes (the decode loop's, the row batch's), doubling from there
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
@@ -102,3 +105,25 @@ def static_cache_bytes(config, *, batch: int, context: int, itemsize: int) -> in
     cache = StaticCache(config=config, max_cache_len=int(context))
     return kv_cache_bytes(config, batch=batch, context=context, itemsize=itemsize, clamp=False,
                           lengths=[int(layer.max_cache_len) for layer in cache.layers])
+
+
+def chunked(n: int, first: int, limit: int) -> int:
+    """The smallest of ``first``, 2·first, 4·first, ... that holds ``n``, at most ``limit``: the
+    size a growing cache takes (columns from :data:`CHUNK`, the row batch's slots from 1)."""
+    v = max(1, int(first))
+    while v < n:
+        v *= 2
+    return min(v, int(limit))
+
+
+def plain_static(config) -> bool:
+    """Whether this decoder-only model's ``StaticCache`` is plain ``StaticLayer``s of the shapes
+    :func:`kv_shapes` gives (no sliding windows, no other layer kinds): a cache zipmoe can lay out,
+    grow and copy itself (the decode loop's growing cache, the row batch)."""
+    from transformers import StaticCache
+
+    shapes = kv_shapes(config)
+    if shapes is None or _get(config, "is_encoder_decoder"):
+        return False
+    cache = StaticCache(config=config, max_cache_len=2)
+    return len(shapes) == len(cache.layers) and all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)

@@ -1,9 +1,18 @@
 """zipmoe's own decode loop: a static KV cache allocated once, one forward per step, no
 ``model.generate`` machinery between the steps.
 
-:class:`DecodeLoop` holds a transformers ``StaticCache`` of ``[batch, context]`` positions per
-layer, allocated when the loop is made and reused by every turn and request (``reset()``
-empties it without freeing anything). A turn is :meth:`DecodeLoop.prefill` (the prompt, or only
+:class:`DecodeLoop` holds a transformers ``StaticCache`` of ``[batch, columns]`` positions per
+layer, reused by every turn and request. ``context`` is the most it may hold; ``columns`` is
+what it holds room for now. The cache grows to the conversation (``kv="grow"``, the default):
+it starts at :data:`~zipmoe.runtime.engine.kvsize.CHUNK` (256) positions, or the smallest
+doubling of it that holds the prompt, and doubles when a step needs room, up to ``context``
+(each growth copies the positions held into a new cache: ``torch.equal`` keys and values); a
+fresh prefill (no ``reuse``) sizes it to its prompt again. So a short conversation's attention
+runs over a few hundred positions, not over ``context`` (the demo on the CPU, every expert
+resident: 100.7 ms per token against 122.6 ms over a fixed 4096, docs/benchmarks.md §28), and
+its memory is what the conversation takes. ``kv="fixed"`` allocates the whole ``context`` once, as before;
+the CUDA graphs (``graphs``) and models whose cache is not plain ``StaticLayer``s (sliding
+windows) use it, since a graph replays over fixed addresses. A turn is :meth:`DecodeLoop.prefill` (the prompt, or only
 the part of it that the cache does not hold yet) then :meth:`DecodeLoop.step` per new token;
 :meth:`DecodeLoop.generate` runs both with sampling, stopping and streaming.
 
@@ -16,7 +25,12 @@ first prefill of the cache), ``logits_to_keep=1``, the last position's logits co
 the same logits processors and ``argmax`` or ``softmax`` + ``multinomial`` for the next token
 (:class:`zipmoe.runtime.engine.sampling.Sampler`, which the server's rows use too), finished rows
 padded with the pad token. A dynamic cache (what plain ``model.generate`` uses) gives different
-bits in the attention over the cache, so the static cache is part of the reference.
+bits in the attention over the cache, so the static cache is part of the reference, and so is
+its length: the reference of a step is transformers over a ``StaticCache`` of the loop's
+``columns`` at that step, holding the same keys and values (a cache that grew is, bit for bit,
+the one transformers would have filled at the larger size: the same keys and values at the same
+positions; ``tests/test_loop.py`` runs the same growth over transformers' own model). With
+``kv="fixed"`` that is plain ``generate(cache_implementation="static")`` at ``context``.
 
 Every entry point that computes (:meth:`DecodeLoop.prefill`, :meth:`~DecodeLoop.step`,
 :meth:`~DecodeLoop.generate`, :meth:`~DecodeLoop.forward`, :meth:`~DecodeLoop.reset`,
@@ -53,7 +67,7 @@ import torch
 
 from zipmoe.errors import UsageError
 from zipmoe.runtime.engine.hf_compat import crop
-from zipmoe.runtime.engine.kvsize import kv_shapes, max_context
+from zipmoe.runtime.engine.kvsize import CHUNK, chunked, kv_shapes, max_context, plain_static, static_cache_bytes
 from zipmoe.runtime.engine.sampling import ForcedTokens, Sampler, eos_ids, finish_reason, generation_config
 from zipmoe.runtime.engine.settings import check_attention
 from zipmoe.runtime.engine.step import attention_of, forward as step_forward, static_mask
@@ -89,11 +103,15 @@ class DecodeLoop:
     (the runtime's setting), see the module docstring. ``attention``: ``"reproducible"`` |
     ``"pytorch"`` | None (the runtime's ``EngineSettings.attention``; ``"reproducible"`` for a
     model that is not a zipmoe model): the attention kernels of every forward, engine/step.py.
+    ``kv``: ``"grow"`` (room for the conversation, in doublings of ``chunk`` positions, up to
+    ``context``) or ``"fixed"`` (the whole ``context`` at once); a graphed loop, and a model whose
+    cache zipmoe cannot lay out, is fixed whatever is asked (``growing`` says which).
     """
 
-    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None, attention=None) -> None:
-        from transformers import StaticCache
-
+    def __init__(self, model, *, context: int = DEFAULT_CONTEXT, batch: int = 1, graphs=None, attention=None,
+                 kv: str = "grow", chunk: int = CHUNK) -> None:
+        if kv not in ("grow", "fixed"):
+            raise UsageError(f"kv must be 'grow' or 'fixed', not {kv!r}")
         if getattr(model.config, "is_encoder_decoder", False):
             raise UsageError(f"{model.config.model_type} is an encoder-decoder model: the decode loop serves "
                              "decoder-only models (use model.generate)")
@@ -112,29 +130,87 @@ class DecodeLoop:
         self.attention = check_attention(attention_of(model) if attention is None else attention)
         self.device = rt.device if rt is not None else next(p for p in model.parameters() if p.device.type != "meta").device
         self.dtype = model.dtype
-        self.cache = StaticCache(config=model.config, max_cache_len=self.context)
-        self.kv_bytes = None
-        shapes = kv_shapes(model.config)
-        if shapes is not None and len(shapes) == len(self.cache.layers):
-            for layer, (heads, kd, vd) in zip(self.cache.layers, shapes):
-                k = torch.zeros((self.batch, heads, 0, kd), dtype=self.dtype, device=self.device)
-                v = torch.zeros((self.batch, heads, 0, vd), dtype=self.dtype, device=self.device)
-                layer.lazy_initialization(k, v)
-            self.kv_bytes = self._allocated_bytes()
+        self.chunk = max(1, int(chunk))
         self.tokens: list[list[int]] = [[] for _ in range(self.batch)]  # ids whose K/V the cache holds
         self._mask: torch.Tensor | None = None  # 2-D mask of the cached positions, None = no padding
         self._pos: torch.Tensor | None = None  # [batch, 1] position id of the last cached token
         self._keep = "logits_to_keep" in _forward_params(model)
         self.graphed = None
-        self._setup_graphs(graphs)
+        graphed = self._graphs_wanted(graphs)
+        self.growing = kv == "grow" and not graphed and plain_static(model.config)
+        self.cache = None
+        self.growths = 0  # reallocations after the first (a growth, or a fresh prefill's resize)
+        self._allocate(chunked(1, self.chunk, self.context) if self.growing else self.context)
+        if graphed:
+            from zipmoe.runtime.engine import graphs as mod  # CUDA graphs of the decode step
+
+            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch, attention=self.attention)
 
     # ---------------------------------------------------------------- cache
+    def _allocate(self, columns: int) -> None:
+        """A cache of ``columns`` positions holding the positions the current one holds (copied:
+        the same keys and values at the same columns)."""
+        from transformers import StaticCache
+
+        old, held = self.cache, self.length
+        cache = StaticCache(config=self.config, max_cache_len=int(columns))
+        shapes = kv_shapes(self.config)
+        if shapes is not None and len(shapes) == len(cache.layers):
+            for layer, (heads, kd, vd) in zip(cache.layers, shapes):
+                k = torch.zeros((self.batch, heads, 0, kd), dtype=self.dtype, device=self.device)
+                v = torch.zeros((self.batch, heads, 0, vd), dtype=self.dtype, device=self.device)
+                layer.lazy_initialization(k, v)
+        if old is not None and held:
+            for new, was in zip(cache.layers, old.layers):
+                new.keys[:, :, :held] = was.keys[:, :, :held]
+                new.values[:, :, :held] = was.values[:, :, :held]
+                new.cumulative_length.fill_(held)
+        if old is not None:
+            self.growths += 1
+        self.cache = cache
+        self.columns = int(columns)
+
+    def _room(self, positions: int, fresh: bool = False) -> None:
+        """Room for ``positions`` (at most ``context``): a growing cache doubles up to it, and a
+        fresh one (nothing held) takes the smallest doubling of ``chunk`` that holds it."""
+        if not self.growing:
+            return
+        want = chunked(positions, self.chunk, self.context)
+        if want > self.columns or (fresh and want < self.columns):
+            self._allocate(want)
+
     def _allocated_bytes(self) -> int:
         total = 0
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):
                 total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
         return total
+
+    @property
+    def kv_bytes(self) -> int | None:
+        """Bytes the KV cache holds now (None when the model's cache is allocated at its first
+        forward, its shapes being unknown until then)."""
+        total = self._allocated_bytes()
+        return total if total or kv_shapes(self.config) is not None else None
+
+    @property
+    def kv_bytes_limit(self) -> int | None:
+        """Bytes the KV cache takes at the whole ``context`` (what a growing cache may reach)."""
+        if kv_shapes(self.config) is None:
+            return None
+        return static_cache_bytes(self.config, batch=self.batch, context=self.context, itemsize=self.dtype.itemsize)
+
+    def describe_kv(self, asked: int | None = None) -> str:
+        """One line for chat's and serve's start: what the KV cache holds, and may grow to."""
+        from zipmoe.units import format_size
+
+        note = f" (asked for {asked}; the model's limit is {self.context})" if self.clamped and asked else ""
+        now, most = self.kv_bytes, self.kv_bytes_limit
+        if self.growing:
+            return (f"KV cache: grows with the conversation from {self.columns} to {self.context} tokens{note}, "
+                    f"{format_size(now)} now, {format_size(most)} at most, on top of the budget")
+        held = format_size(now) if now is not None else "allocated at the first forward"
+        return f"KV cache: {self.context} tokens{note}, {held} on top of the budget"
 
     @property
     def length(self) -> int:
@@ -148,7 +224,8 @@ class DecodeLoop:
 
     @torch.inference_mode()
     def reset(self) -> None:
-        """Forget the cached positions (the tensors stay allocated)."""
+        """Forget the cached positions (the tensors stay allocated; the next prefill sizes a
+        growing cache to its prompt)."""
         if self.length:
             crop(self.cache, self.length)
         self.tokens = [[] for _ in range(self.batch)]
@@ -171,9 +248,10 @@ class DecodeLoop:
         return (self._mask.long().cumsum(-1) - 1).masked_fill(self._mask == 0, 0)[:, -1:]
 
     # ---------------------------------------------------------------- graphs
-    def _setup_graphs(self, graphs) -> None:
-        """``graphs``: ``"auto"`` | ``"on"`` | ``"off"`` (or True / False); None: the runtime's
-        ``EngineSettings.graphs`` (``"auto"`` for a model that is not a zipmoe model)."""
+    def _graphs_wanted(self, graphs) -> bool:
+        """Whether this loop's steps replay CUDA graphs. ``graphs``: ``"auto"`` | ``"on"`` |
+        ``"off"`` (or True / False); None: the runtime's ``EngineSettings.graphs`` (``"auto"``
+        for a model that is not a zipmoe model)."""
         if graphs is None:
             rt = getattr(self.model, "zipmoe", None)
             graphs = getattr(getattr(rt, "settings", None), "graphs", "auto")
@@ -184,17 +262,16 @@ class DecodeLoop:
         if graphs not in ("auto", "on", "off"):
             raise UsageError(f"graphs must be 'auto', 'on' or 'off', not {graphs!r}")
         if graphs == "off":
-            return
+            return False
         ok = False
         if self.device.type == "cuda":
             from zipmoe.runtime.engine import graphs as mod  # CUDA graphs of the decode step
 
             ok = mod.why_not(self.model, self.batch) is None
-        if ok:
-            self.graphed = mod.GraphedStep(self.model, self.cache, batch=self.batch, attention=self.attention)
-        elif graphs == "on":
+        if not ok and graphs == "on":
             raise UsageError(f"CUDA graphs are not available for this model at batch {self.batch} on {self.device} "
                              "(use graphs='auto' to fall back to eager steps)")
+        return ok
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -208,9 +285,9 @@ class DecodeLoop:
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, single: bool) -> torch.Tensor:
         try:
             if single:
-                # a decode step: the mask in its static [batch, context] form, eager or graphed
+                # a decode step: the mask in its static [batch, columns] form, eager or graphed
                 # (the same call either way: engine/step.py)
-                mask = static_mask(mask, pos, self.context)
+                mask = static_mask(mask, pos, self.columns)
                 logits = self.graphed(ids, pos, mask) if self.graphed is not None else self.forward(ids, pos, mask)
             else:
                 logits = self.forward(ids, pos, mask)
@@ -254,6 +331,7 @@ class DecodeLoop:
             raise ContextFull(f"the conversation is {n} tokens; the KV cache holds {self.context} "
                               "(use /reset, or a larger --context)")
         self._crop(keep) if reuse else self.reset()
+        self._room(n, fresh=keep == 0)
         ids = ids.to(self.device)
         new = ids[:, keep:]
         if keep == 0:
@@ -285,6 +363,7 @@ class DecodeLoop:
         if self._pos is None:
             raise UsageError("step() before prefill()")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(self.batch, 1)
+        self._room(self.length + 1)
         pos = self._pos + 1
         mask = self._mask
         if mask is not None:
@@ -394,6 +473,7 @@ class DecodeLoop:
             "total_s": t_end - t0,
             "stop": res.stop,
             "graphed": self.graphed is not None,
+            "kv_columns": self.columns,
         }
         return res
 

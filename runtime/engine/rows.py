@@ -43,32 +43,15 @@ from __future__ import annotations
 import torch
 
 from zipmoe.errors import UsageError
-from zipmoe.runtime.engine.kvsize import kv_shapes
+from zipmoe.runtime.engine.kvsize import CHUNK, chunked, kv_shapes, plain_static
 from zipmoe.runtime.engine.step import attention_of, forward as step_forward
 
 __all__ = ["RowBatch", "CHUNK", "supported"]
 
-CHUNK = 256  # the columns the cache first takes, doubling from there up to the context
-
-
 def supported(model) -> bool:
     """Whether ``model``'s static cache is plain ``StaticLayer``s of known shapes (no sliding
     windows, no other layer kinds), which :class:`RowBatch` lays out itself."""
-    from transformers import StaticCache
-
-    shapes = kv_shapes(model.config)
-    if shapes is None:
-        return False
-    cache = StaticCache(config=model.config, max_cache_len=2)
-    return len(shapes) == len(cache.layers) and all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
-
-
-def _up(n: int, first: int, limit: int) -> int:
-    """The smallest of ``first``, 2·first, 4·first, ... that holds ``n``, at most ``limit``."""
-    v = max(1, int(first))
-    while v < n:
-        v *= 2
-    return min(v, int(limit))
+    return plain_static(model.config)
 
 
 class RowBatch:
@@ -134,8 +117,8 @@ class RowBatch:
             return
         if rows > self.max_rows or columns > self.context:
             raise UsageError(f"a row batch holds {self.max_rows} rows of {self.context} positions")
-        r = max(have_r, _up(rows, 1, self.max_rows))
-        c = max(have_c, _up(columns, CHUNK, self.context))
+        r = max(have_r, chunked(rows, 1, self.max_rows))
+        c = max(have_c, chunked(columns, CHUNK, self.context))
         n, used = self.rows, self.cursor
         keys, values = [], []
         for i, (heads, kd, vd) in enumerate(self.shapes):
