@@ -7,12 +7,19 @@ server), then for each concurrency level (default 1, 4 and 16 clients) sends
 at a time, and prints per level:
 
 * throughput: completion tokens of the level / its wall time (tokens/s);
-* TTFT: request sent -> arrival of the first chunk that carries content (non-empty
-  ``delta.content``; the opening role chunk does not count), p50 and p90 over the level's
-  requests (client side: queueing and prefill included);
-* TPOT: (arrival of the last content chunk - arrival of the first) / (completion tokens - 1),
-  per request, p50 and p90 (the server streams one chunk per token; text it holds back, e.g.
-  half a UTF-8 character, merges two tokens into one chunk, and the line says so);
+* TTFT: request sent -> arrival of the first token, p50 and p90 over the level's requests
+  (client side: queueing and prefill included);
+* TPOT: (arrival of the last token - arrival of the first) / (completion tokens - 1), per
+  request, p50 and p90.
+
+  Token arrivals: the requests ask for ``stream_options.continuous_usage_stats`` (vLLM's
+  extension, which `zipmoe serve` speaks: one chunk per token, each with the usage so far), and
+  a token arrives with the chunk whose ``usage.completion_tokens`` first counts it, whether it
+  carries text or not (a synth model's byte-level tokenizer decodes most of its ids to nothing:
+  timed by content it gave no figure at all). A server that sends no usage per chunk is timed by
+  its content chunks (non-empty ``delta.content``; the opening role chunk does not count; text
+  held back, e.g. half a UTF-8 character, merges two tokens into one chunk, and the line says
+  so); each level says which (``timed_by``);
 * distinct chunks: the median share of a request's content chunks that differ (greedy decoding of
   a random-weight model falls into a loop of two or three tokens, near 0%: its cache hits every
   time, so such a level measures a loop; sample to measure a conversation);
@@ -116,11 +123,14 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
     sampled at ``temperature`` with ``seed``), timed from the SSE stream as it arrives (read
     incrementally, event by event).
 
-    TTFT: request sent -> the first chunk that carries content (non-empty ``delta.content``, or
-    ``text`` for a completions stream; the chat stream's opening role chunk, empty, does not
-    count). TPOT: (last content chunk - first content chunk) / (tokens - 1), None with fewer than
-    2 content chunks: per token, as vLLM's benchmark counts it (a server may hold a token's text
-    back, half a character, and send it with the next: chunks can be fewer than tokens). ``tokens``: the usage's ``completion_tokens`` (the content
+    Token times: a chunk whose ``usage.completion_tokens`` (continuous usage, asked for) is
+    higher than the last one's brings that many tokens; without usage per chunk, each chunk that
+    carries content (non-empty ``delta.content``, or ``text`` for a completions stream; the chat
+    stream's opening role chunk, empty, does not count) brings one (``timed_by``: ``"tokens"``
+    or ``"content"``). TTFT: request sent -> the first token. TPOT: (last token - first token) /
+    (tokens - 1), None with fewer than 2 token arrivals: per token, as vLLM's benchmark counts it
+    (a server may hold a token's text back, half a character, and send it with the next: content
+    chunks can be fewer than tokens). ``tokens``: the usage's ``completion_tokens`` (the content
     chunks when the server sends no usage). ``ok``: the stream ended with ``[DONE]``, no error
     event, and ``tokens == new_tokens``.
 
@@ -131,10 +141,13 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
     a level whose answers are loops measures a cache that hits every time)."""
     headers = _auth(api_key)
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "temperature": temperature, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if seed is not None:
         body["seed"] = int(seed)
     times: list[float] = []  # arrival time of each content chunk
+    token_times: list[float] = []  # arrival time of each chunk that brought tokens (usage per chunk)
+    counted = 0
     texts: set[str] = set()
     usage = None
     done = False
@@ -156,6 +169,10 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
                 break
             if obj.get("usage"):
                 usage = obj["usage"]
+                n = int(usage.get("completion_tokens") or 0)
+                if obj.get("choices") and n > counted:  # a chunk with the usage so far (not the closing one)
+                    token_times.append(now)
+                    counted = n
             for choice in obj.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
                 if text:
@@ -170,9 +187,11 @@ def stream_request(http, url: str, model: str, prompt: str, new_tokens: int, api
         raise RuntimeError(f"error event: {error}")
     chunks = len(times)
     tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else chunks
-    return {"ttft": (times[0] - t0) if times else None,
-            "tpot": ((times[-1] - times[0]) / (max(tokens, chunks) - 1)) if chunks > 1 else None,
-            "chunks": chunks, "distinct": len(texts), "tokens": tokens, "done": done,
+    timed_by = "tokens" if token_times else "content"
+    arrivals = token_times or times
+    return {"ttft": (arrivals[0] - t0) if arrivals else None,
+            "tpot": ((arrivals[-1] - arrivals[0]) / (max(tokens, chunks) - 1)) if len(arrivals) > 1 else None,
+            "chunks": chunks, "distinct": len(texts), "tokens": tokens, "done": done, "timed_by": timed_by,
             "ok": done and tokens == new_tokens, "seconds": end - t0, "cancelled": cancelled}
 
 
@@ -242,9 +261,11 @@ def run_level(http, url: str, model: str, clients: int, requests: int, new_token
     return {"clients": clients, "requests": requests, "completed": len(results), "errors": len(errors),
             "error_samples": [e.get("error") for e in errors[:3]], "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall else 0.0,
-            # requests that streamed no content chunk (no TTFT) or fewer than 2 (no TPOT), and
-            # content chunks against tokens (1.0: one chunk per token; less: text held back or merged)
+            # requests with no token arrival (no TTFT) or fewer than 2 (no TPOT); how the tokens
+            # were timed (by the usage per chunk, or by content chunks); content chunks against
+            # tokens (1.0: one chunk per token; less: text held back or merged, or tokens of no text)
             "no_ttft": len(results) - len(ttft), "no_tpot": len(results) - len(tpot),
+            "timed_by": sorted({r["timed_by"] for r in results}),
             "chunks_per_token": (sum(r["chunks"] for r in results) / tokens) if tokens else None,
             # different content chunks per content chunk, the median over requests (a loop: near 0)
             "distinct_p50": pct([r["distinct"] / r["chunks"] for r in results if r["chunks"]], 0.5),
@@ -294,8 +315,10 @@ def describe(r: dict) -> str:
     line = (f"{r['clients']:>3} clients: {r['completed']}/{r['requests']} ok, {r['errors']} errors, "
             f"{r['tokens_per_s']:.2f} tok/s, TTFT p50 {_s(r['ttft_p50_s'])} s p90 {_s(r['ttft_p90_s'])} s, "
             f"TPOT p50 {_s(r['tpot_p50_s'], 1e3, '.1f')} ms p90 {_s(r['tpot_p90_s'], 1e3, '.1f')} ms")
+    if r.get("timed_by"):
+        line += f" (timed by {' and '.join(r['timed_by'])})"
     if r["no_ttft"] or r["no_tpot"]:
-        line += f" ({r['no_ttft']} requests streamed no content, {r['no_tpot']} fewer than 2 content chunks)"
+        line += f" ({r['no_ttft']} requests streamed no token, {r['no_tpot']} fewer than 2 token arrivals)"
     if r["chunks_per_token"] is not None and abs(r["chunks_per_token"] - 1) > 1e-9:
         line += f" ({r['chunks_per_token']:.2f} content chunks per token)"
     if r.get("distinct_p50") is not None:

@@ -142,6 +142,14 @@ def test_openai_client_models_chat_stream_completions_usage(server, mixtral):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [choice.finish_reason]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # vLLM's continuous_usage_stats: one chunk per token, each with the usage so far (a token that
+    # adds no text comes as an empty delta), so a client can time every token
+    chunks = list(_chat(client, "Hello there", max_tokens=10, temperature=0, stream=True,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert counts == list(range(len(counts))) and counts[-1] == plain.usage.completion_tokens  # role chunk: 0
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
     comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -293,6 +301,8 @@ BAD = [  # method, path, raw body, status, the error's whole message, the Allow 
     ("POST", "/v1/chat/completions", _body(max_tokens=2.5), 400, "max_tokens: expected an integer, got 2.5", None),
     ("POST", "/v1/chat/completions", _body(n="1"), 400, "n: expected an integer, got '1'", None),
     ("POST", "/v1/chat/completions", _body(seed="7"), 400, "seed: expected an integer, got '7'", None),
+    ("POST", "/v1/chat/completions", _body(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage must be a boolean", None),
     ("POST", "/v1/chat/completions", _body(messages=[{"role": "user", "content": [IMAGE]}]), 400,
      "messages[0].content[0]: images are not supported", None),
     ("POST", "/v1/chat/completions", _body(messages=[{"role": "user", "content": [

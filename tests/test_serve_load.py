@@ -62,10 +62,17 @@ def _app(mode: str) -> Starlette:
                 await asyncio.sleep(D2)
                 yield "data: " + json.dumps({"error": {"message": "boom", "type": "server_error"}}) + "\n\n"
                 return
-            if mode == "burst":  # the whole answer at once, after D1
+            continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+            if mode == "silent" and continuous:  # tokens of no text, each in a chunk with the usage so far
+                for i in range(n):
+                    await asyncio.sleep(D1 if i == 0 else D2)
+                    yield "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [
+                        {"index": 0, "delta": {"content": ""}, "finish_reason": None}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": 4 + i}}) + "\n\n"
+            elif mode == "burst":  # the whole answer at once, after D1
                 await asyncio.sleep(D1)
                 yield "".join(_chunk({"content": f"t{i} "}) for i in range(n))
-            else:
+            elif mode != "silent":
                 for i in range(n):
                     await asyncio.sleep(D1 if i == 0 else D2)
                     yield _chunk({"content": f"t{i} "})
@@ -133,6 +140,19 @@ def test_ttft_and_tpot_match_the_known_delays(steady):
         assert 0.8 * expected_wall <= lv["wall_s"] <= 2.0 * expected_wall, lv
         assert lv["tokens_per_s"] == pytest.approx(lv["tokens"] / lv["wall_s"])
     assert "TTFT p50 0." in serve_load.describe(levels[0])
+    assert levels[0]["timed_by"] == ["content"]  # this server sends no usage per chunk
+
+
+def test_tokens_of_no_text_are_timed_by_the_usage_per_chunk():
+    """A server that streams a chunk per token with the usage so far (vLLM's
+    continuous_usage_stats, which zipmoe serve speaks) is timed by those chunks, although no
+    token carries text (a synth model's byte-level tokenizer: timed by content, no figure)."""
+    with FakeServer("silent") as srv:
+        (lv,) = serve_load.measure(srv.url, concurrency=(1,), requests=2, new_tokens=TOKENS, warmup=False,
+                                   timeout=30)
+    assert lv["errors"] == 0 and lv["no_ttft"] == lv["no_tpot"] == 0 and lv["timed_by"] == ["tokens"], lv
+    assert 0.5 * D1 <= lv["ttft_p50_s"] <= 1.5 * D1 and 0.5 * D2 <= lv["tpot_p50_s"] <= 1.5 * D2, lv
+    assert lv["chunks_per_token"] == 0 and "timed by tokens" in serve_load.describe(lv)
 
 
 def test_a_burst_has_no_time_per_token_and_errors_are_counted():

@@ -173,7 +173,8 @@ class ServerState:
             top_p = getattr(gen, "top_p", None)
             top_p = 1.0 if top_p is None else float(top_p)
         return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              stop=body.stops(), seed=body.seed, ignore_eos=bool(body.ignore_eos))
+                              stop=body.stops(), seed=body.seed, ignore_eos=bool(body.ignore_eos),
+                              every_token=bool(body.stream) and body.continuous_usage)
 
     def chat_ids(self, conversation: list[dict]) -> list[int]:
         from zipmoe.runtime.engine.turn import chat_inputs
@@ -413,6 +414,8 @@ def _stream(state: ServerState, body, gen: Generation, events: _Events, rid: str
     cfg = state.cfg
     obj = "chat.completion.chunk" if chat else "text_completion"
 
+    counted = [0]  # tokens streamed so far (continuous usage: one delta per token)
+
     def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
         if chat:
             delta = {}
@@ -425,8 +428,11 @@ def _stream(state: ServerState, body, gen: Generation, events: _Events, rid: str
             choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
         if finish is not None and body.return_token_ids:
             choice["token_ids"] = list(gen.token_ids)
-        return json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model_name,
-                           "choices": [choice]})
+        out = {"id": rid, "object": obj, "created": created, "model": cfg.model_name, "choices": [choice]}
+        if body.continuous_usage:
+            p = len(gen.prompt_ids)
+            out["usage"] = {"prompt_tokens": p, "completion_tokens": counted[0], "total_tokens": p + counted[0]}
+        return json.dumps(out)
 
     async def events_out():
         try:
@@ -435,6 +441,8 @@ def _stream(state: ServerState, body, gen: Generation, events: _Events, rid: str
             while True:
                 kind, payload = await events.queue.get()
                 if kind == "delta":
+                    if body.continuous_usage:
+                        counted[0] += 1
                     yield {"data": chunk(payload, None)}
                 elif kind == "error":
                     yield {"data": json.dumps(error_body(f"generation failed: {payload}", "server_error"))}

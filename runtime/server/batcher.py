@@ -32,7 +32,9 @@ detokenization, as vLLM does: a decode per token costs the same at the 10th toke
 2,000th, under the lock the HTTP side tokenizes with); the whole answer is decoded once, at
 its end, and that is the response's text. Events go to ``Request.sink(kind, payload)``,
 called on the model thread: ``("delta", text)`` for new text (held back while it may still
-turn into a stop string or ends in half a character), then exactly one of ``("done", None)`` (``finish_reason`` and counts on the
+turn into a stop string or ends in half a character; with ``SamplingParams.every_token``
+exactly one per token, ``""`` for a token that adds none, so that a stream can say how many
+tokens came with each chunk), then exactly one of ``("done", None)`` (``finish_reason`` and counts on the
 request) or ``("error", message)``.
 """
 
@@ -66,6 +68,7 @@ class SamplingParams:
     stop: list = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    every_token: bool = False  # one "delta" event per token, "" when it adds no text (usage per chunk)
 
 
 _ids = itertools.count(1)
@@ -310,6 +313,8 @@ class Engine:
         if reason is None:
             piece = self._detokenize(r)
             if not piece:
+                if r.params.every_token:
+                    r.sink("delta", "")
                 return  # nothing new to show (half a character) and not finished
             seen, text = len(r.text), r.text + piece
         else:
@@ -327,6 +332,8 @@ class Engine:
         if len(safe) > len(r.sent) and safe.startswith(r.sent):
             delta, r.sent = safe[len(r.sent):], safe
             r.sink("delta", delta)
+        elif r.params.every_token:
+            r.sink("delta", "")
         if reason is not None:
             self._finish(r, reason)
 

@@ -84,11 +84,20 @@ class _Base(BaseModel):
             raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ApiError(400, "seed must be in [0, 2^63)", param="seed")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if self.stream_options and not isinstance(self.stream_options.get(key, False), bool):
+                raise ApiError(400, f"stream_options.{key} must be a boolean", param="stream_options")
         self.stops()
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """``stream_options.continuous_usage_stats`` (vLLM's extension) with ``include_usage``:
+        every chunk carries the usage so far, one chunk per token (its text may be empty)."""
+        return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
 
 
 class ContentPart(BaseModel):
