@@ -233,22 +233,24 @@ def _ref_growing(ref, batch: dict, steps: int, chunk: int, context: int):
     return SimpleNamespace(logits=logits, sequences=seq)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
-def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_factory, family):
+def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_factory, family, device):
     """``kv="grow"`` (the default): the cache starts at the smallest doubling of ``chunk`` that
     holds the prompt and doubles when a step needs room. Every step's logits are ``torch.equal``
     to transformers' generate over a ``StaticCache`` of the loop's columns at that step (grown by
     the same copy), batch 1 and 4 (left padding); a fresh prefill sizes the cache to its prompt
-    again; what it holds is what a StaticCache of its columns allocates."""
+    again; what it holds is what a StaticCache of its columns allocates. On CUDA with the graphs
+    off (a graphed loop keeps the whole context)."""
     src, path = container(tmp_path_factory, family)
-    ref = reference(src)
+    ref = reference(src, device)
     vocab = _vocab(src)
-    req = requirements(path, workers=1)
-    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), workers=1)
+    req = requirements(path, workers=1, device=device)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.5), device=device, workers=1)
     chunk, context, steps = 8, 64, 40  # a 10-token prompt: 16 columns, then 32, then 64
     try:
-        for b, batch in {1: inputs(vocab, False, batch=1, seed=1), 4: inputs(vocab, False, batch=4)}.items():
-            loop = DecodeLoop(model, context=context, batch=b, chunk=chunk)
+        for b, batch in {1: inputs(vocab, False, device, batch=1, seed=1), 4: inputs(vocab, False, device, batch=4)}.items():
+            loop = DecodeLoop(model, context=context, batch=b, chunk=chunk, graphs="off")
             assert loop.growing and loop.columns == chunk
             columns = []
             res = loop.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=steps, min_new_tokens=steps,
