@@ -625,12 +625,14 @@ import torch; print("cuda", torch.cuda.is_available(), torch.cuda.get_device_nam
 }
 
 gpu_tests() {  # from /tmp: the checkout's own zipmoe/ folder must not shadow the installed package
-    # GPU_TEST_FILES="test_graphs.py ...": only those files of tests/ (a short sitting)
-    local files=() f
+    # GPU_TEST_FILES="test_graphs.py ...": only those files of tests/ (a short sitting); GPU_TEST_MARK="": every
+    # test of those files, not only the ones marked gpu (the server's tests, which serve on the device they find)
+    local files=() f mark=()
     for f in ${GPU_TEST_FILES:-}; do files+=("$REPO/tests/$f"); done
     [ ${#files[@]} -gt 0 ] || files=("$REPO/tests")
+    [ -n "${GPU_TEST_MARK-gpu}" ] && mark=(-m "${GPU_TEST_MARK-gpu}")
     x cd /tmp
-    x python3 -m pytest -q -p no:cacheprovider -m gpu -rA "${files[@]}"
+    x python3 -m pytest -q -p no:cacheprovider "${mark[@]}" -rA "${files[@]}"
 }
 
 fidelity() {  # fidelity NAME ARGS: fidelity_gpu.py into RUN/NAME; with the landed code in $SITE-before (before_install),
