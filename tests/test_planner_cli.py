@@ -347,3 +347,32 @@ def test_planner_check_bad_input_is_one_line(container, tmp_path, capsys):
     assert planner_check.main([str(path), "--plan", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No such file" in err[0]
+
+
+def test_a_plan_for_another_dtype_is_named_at_load(container):
+    """plan.json records the dtype it was made for; a runtime computing in another one says so in
+    one line (chat's and serve's start), and a plan that does not say (hand-written) is taken as is.
+    `zipmoe plan --dtype` defaults to what chat computes in (auto), so the two agree by default."""
+    import inspect
+
+    import zipmoe
+    from zipmoe.runtime.engine.core import plan_dtype_note
+    from zipmoe_cli.chat import chat
+    from zipmoe_cli.plan import plan as plan_cmd
+
+    path, cid = container
+    pools = {"full": 1 << 20, "compressed": 0, "sm_only": 0, "e_only": 0}
+    model, _ = zipmoe.load(path, budget="64M", device="cpu", workers=1, dtype="float32",
+                           plan={"container_id": cid, "dtype": "bfloat16", "pools": pools})
+    try:
+        note = model.zipmoe.describe()["plan_note"]
+        assert "made for bfloat16 experts" in note and "computes in float32" in note and "--dtype float32" in note
+    finally:
+        model.zipmoe.close()
+    assert plan_dtype_note({"dtype": "float32"}, "torch.float32") is None
+    assert plan_dtype_note({"pools": pools}, "torch.float32") is None
+
+    def default(fn, name):
+        return inspect.signature(fn).parameters[name].default.default
+
+    assert default(plan_cmd, "dtype") == default(chat, "dtype") == "auto"

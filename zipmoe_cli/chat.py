@@ -60,7 +60,8 @@ def _describe(model, threads: int) -> str:
             f"experts {format_size(d['expert_bytes_full'])} whole ({d['compute_dtype']}) / "
             f"{format_size(d['expert_bytes_stored'])} stored; "
             f"computing in {d['compute_dtype']}; "
-            f"{d['workers']} decode workers, {threads} torch threads, {'O_DIRECT' if d['direct_io'] else 'buffered'} reads")
+            f"{d['workers']} decode workers, {threads} torch threads, {'O_DIRECT' if d['direct_io'] else 'buffered'} reads"
+            + (f"\nwarning: {d['plan_note']}" if d.get("plan_note") else ""))
 
 
 def _cumulative(model) -> str:

@@ -50,7 +50,7 @@ def plan(
     out: Path = typer.Option(None, "-o", "--out", metavar="PLAN.json", help="Write the plan here (plan.json), for `chat --plan` and `bench --plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (or profile) as JSON instead of tables."),
     device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", help="auto, cpu or cuda: where merges and experts compute."),
-    dtype: str = typer.Option("bfloat16", "--dtype", metavar="bfloat16|float32|auto", help="What the model will compute in (as `zipmoe.load(dtype=...)`): float32 experts take twice the memory in the full pool."),
+    dtype: str = typer.Option("auto", "--dtype", metavar="auto|bfloat16|float32", help="What the model will compute in, as `zipmoe chat --dtype` (auto: config.json's): float32 experts take twice the memory in the full pool."),
     calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),

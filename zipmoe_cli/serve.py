@@ -123,6 +123,8 @@ def serve(
 
         rt = state.model.zipmoe
         loop = state.stepper.loop
+        if rt.plan_note:
+            _say(f"zipmoe serve: warning: {rt.plan_note}")
         if loop is not None:
             _say(f"zipmoe serve: a lone request's {loop.describe_kv(context)}")
         _say(f"zipmoe serve: ready: {rt.family.name}, context {state.context} tokens, batches of up to "

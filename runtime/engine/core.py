@@ -87,6 +87,20 @@ def read_plan(plan, container_id: str) -> dict:
     return {"pools": pools, "raw": plan}
 
 
+def plan_dtype_note(raw: dict, compute_dtype) -> str | None:
+    """One line when a plan was made for experts of another dtype than the runtime computes in
+    (``zipmoe plan --dtype``): its pool bytes then hold another number of experts than it
+    counted on (float32 experts take twice bfloat16's bytes). None when they agree or the plan
+    does not say (a hand-written plan)."""
+    made = raw.get("dtype") if isinstance(raw, dict) else None
+    now = str(compute_dtype).replace("torch.", "")
+    if not isinstance(made, str) or made == now:
+        return None
+    return (f"the plan was made for {made} experts and this model computes in {now}: its pools hold "
+            f"another number of experts than it counted on (make it with `zipmoe plan --dtype {now}`, "
+            f"or load with --dtype {made})")
+
+
 def _sizes(expert_tensors: dict, workers: int, cuda: bool = False) -> tuple[int, int, int]:
     """``(expert_working, scratch, staging slot bytes)``.
 
@@ -197,8 +211,10 @@ class Runtime:
             if total > pool_bytes:  # a plan for a larger budget: scale down, keep its shape
                 caps = {k: int(v * pool_bytes // total) for k, v in caps.items()}
             self.split_source = "plan"
+            self.plan_note = plan_dtype_note(self.plan["raw"], compute_dtype)
         else:
             self.plan = None
+            self.plan_note = None
             if pool_bytes >= self.expert_bytes_full:
                 caps = {"full": pool_bytes, "compressed": 0, "sm_only": 0, "e_only": 0}
             else:
@@ -311,6 +327,7 @@ class Runtime:
             "working_bytes": self.window * self.expert_working + self.scratch_bytes,
             "pools": dict(self.pools),
             "split": self.split_source,
+            "plan_note": self.plan_note,
             "workers": self.workers,
             "readers": self.readers,
             "device": str(self.device),
