@@ -175,6 +175,48 @@ def test_noprefetch_engine_loads_the_plan_without_prefetch(monkeypatch):
     assert seen == [("p.json", False), ("p.json", "default")]
 
 
+def test_every_engine_computes_the_checkpoints_dtype(monkeypatch, tmp_path):
+    """The zipmoe engines load with dtype="auto", as chat does and as the Hugging Face engines
+    load, and their KV allowance is counted in that dtype (float32: 4 bytes a value)."""
+    import json
+
+    from zipmoe.runtime.bench import worker
+    from zipmoe.runtime.engine import loader
+
+    seen = []
+
+    def fake_load(path, budget, device, plan=None, **kw):
+        seen.append(kw.get("dtype"))
+        return object(), None
+
+    monkeypatch.setattr(loader, "load", fake_load)
+    bench_engines.load_engine({"engine": "zipmoe", "device": "cpu", "budget": 1 << 30, "container": "m.zmoe"})
+    assert seen == ["auto"] == [bench_engines.BENCH_DTYPE]
+
+    class Reader:
+        def __init__(self, path):
+            self.config = json.loads(path.read_text())
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    import zipmoe.codecs.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "ContainerReader", Reader)
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+           "max_position_embeddings": 512}
+    spec = {"engine": "zipmoe", "device": "cpu", "context": 100, "cases": [{"input_ids": [[1, 2]]}]}
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        f = tmp_path / f"{dtype}.json"
+        f.write_text(json.dumps(dict(cfg, torch_dtype=dtype)))
+        sizes[dtype] = worker.kv_allowance(dict(spec, container=f))
+    assert sizes["float32"] == 2 * sizes["bfloat16"] == 2 * (2 * 2 * 100 * (16 + 16) * 2)
+
+
 def test_missing_accelerate_names_the_extra(monkeypatch):
     import importlib.util
 

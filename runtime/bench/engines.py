@@ -69,6 +69,8 @@ ENGINE_PLAN: dict[str, str] = {
     "zipmoe-noprefetch": "user",  # the plan, prefetch across layers off
     "uncompressed": "full_only",  # codec raw: a "compressed" entry would be as large as a full one
 }
+# What every engine computes in: the checkpoint's dtype (zipmoe.load(dtype=...), from_pretrained(dtype=...)).
+BENCH_DTYPE = "auto"
 # Options zipmoe.load must accept for the bench (beyond path, budget, device, plan).
 RUNTIME_OPTIONS: dict[str, tuple] = {name: () for name in ENGINE_PLAN}
 
@@ -212,7 +214,9 @@ def load_engine(spec: dict):
         from zipmoe.machine import decode_workers, torch_threads
 
         fn = _load_fn()  # runtime.engine.loader.load (a clear error when the runtime is missing)
-        kwargs = {}
+        # the checkpoint's own dtype, as chat and serve compute and as the Hugging Face engines
+        # load (dtype="auto"): every engine computes the same model (the demo is float32)
+        kwargs = {"dtype": BENCH_DTYPE}
         if spec.get("threads"):
             kwargs["threads"] = int(spec["threads"])
         else:  # as chat, serve and the planner's passes: the cores the decode workers leave (torch's
@@ -236,7 +240,7 @@ def load_engine(spec: dict):
             from zipmoe.runtime.plan.default import default_plan
 
             plan, line = default_plan(path, int(spec["budget"]), device, decode_workers(), spec.get("cache_dir"),
-                                      readers=spec.get("readers"), profile_path=spec.get("profile"))
+                                      readers=spec.get("readers"), profile_path=spec.get("profile"), dtype=BENCH_DTYPE)
         else:
             plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
         model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)
@@ -267,7 +271,7 @@ def load_engine(spec: dict):
 
     config = json.loads(Path(source, "config.json").read_text())
     cls = _auto_class(config)
-    kw = {_torch_dtype_kw(transformers): "auto"}
+    kw = {_torch_dtype_kw(transformers): BENCH_DTYPE}
     if name == "accelerate":
         kw.update(device_map="auto", max_memory=hf_max_memory(spec["budget"], device), offload_folder=spec["offload_folder"])
         # keep accelerate's state dict offload off: it would put the whole state dict on disk first

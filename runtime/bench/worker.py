@@ -265,8 +265,11 @@ def kv_allowance(spec: dict) -> int:
             cfg = r.config or {}
     except Exception:
         return 0
+    from zipmoe.runtime.engine.dtypes import ITEMSIZE, compute_dtype
+
     batch = max([len(c.get("input_ids") or [[0]]) for c in spec.get("cases") or [{}]] or [1])
-    return kv_cache_bytes_upper(cfg, batch=batch, context=int(spec.get("context") or DEFAULT_CONTEXT), itemsize=2)
+    itemsize = ITEMSIZE[compute_dtype(bench_engines.BENCH_DTYPE, cfg)]  # the KV cache is in the compute dtype
+    return kv_cache_bytes_upper(cfg, batch=batch, context=int(spec.get("context") or DEFAULT_CONTEXT), itemsize=itemsize)
 
 
 def _loop_for(model, runtime, torch, spec: dict, batch: int):
