@@ -326,3 +326,50 @@ def test_text_comes_a_few_tokens_at_a_time_and_whole_at_the_end(tmp_path_factory
         else:
             assert r.finish_reason == "stop" and len(r.token_ids) < 30
             assert "".join(deltas) == r.text == whole[: whole.find(stop[0])]
+
+
+def test_each_joining_prompt_gets_its_first_token_after_its_own_prefill(loaded):
+    """Prompts that join the row batch together are prefilled one after another on the decode
+    loop; each one's first token is sent as soon as its own prefill ends, not after the last
+    one's (TTFT of the first of four clients is one prefill, not four). The tokens are those of
+    the prompts decoded in one batch either way."""
+    from zipmoe.runtime.server.batcher import Engine, Request, SamplingParams
+    from zipmoe.runtime.server.stepper import TransformersStepper, context_length
+
+    model, tok = loaded
+    stepper = TransformersStepper(model, context=256, max_batch=4)
+    assert stepper.slots is not None
+    events = []  # ("prefill", i) as each prompt's prefill ends, ("first", i) as each first token goes out
+    loop_prefill = stepper.loop.prefill
+    count = iter(range(100))
+
+    def prefill(*a, **kw):
+        out = loop_prefill(*a, **kw)
+        events.append(("prefill", next(count)))
+        return out
+
+    stepper.loop.prefill = prefill
+    engine = Engine(max_batch=4)
+    engine.attach(stepper, tok, context=context_length(model), eos_ids=[])
+    done = threading.Event()
+    reqs = []
+    for i, ids in enumerate(_prompts(tok)[:3]):
+        def sink(kind, payload, i=i):
+            if kind == "delta" and ("first", i) not in events:
+                events.append(("first", i))
+            elif kind != "delta" and sum(r.done for r in reqs) == 3:
+                done.set()
+        reqs.append(Request(ids, SamplingParams(max_tokens=3, temperature=0.0, every_token=True), sink))
+    for r in reqs:
+        engine.submit(r)  # all three wait before the model thread starts: they join together
+    model_thread = threading.Thread(target=engine.run, daemon=True)
+    model_thread.start()
+    try:
+        assert done.wait(60)
+    finally:
+        engine.stop()
+        model_thread.join(30)
+    assert [e for e in events if e[0] == "prefill"] == [("prefill", 0), ("prefill", 1), ("prefill", 2)]
+    assert events.index(("first", 0)) < events.index(("prefill", 1))
+    assert events.index(("first", 1)) < events.index(("prefill", 2))
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 3 for r in reqs)

@@ -98,7 +98,7 @@ class FakeStepper:
         out[:, 5] = 1.0
         return out
 
-    def prefill(self, prompts, alone=False, running=None):
+    def prefill(self, prompts, alone=False, running=None, on_first=None):
         self.path = "loop" if alone and len(prompts) == 1 else "batch"
         return SimpleNamespace(rows=len(prompts)), self._logits(len(prompts))
 

@@ -230,7 +230,15 @@ class Engine:
         t0 = time.perf_counter()
         # a request alone decodes on the runtime's own loop (the stepper's), as `zipmoe chat` does
         alone = batch is None and len(take) == 1 and self.stepper.fits_loop(len(take[0].prompt_ids) + take[0].params.max_tokens)
-        new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone, running=batch)
+        first = set()  # the requests whose first token is out
+
+        def on_first(i: int, row_logits) -> None:
+            # a prompt's first token as soon as its own prefill ends (several prompts joining are
+            # prefilled one after another: the first need not wait for the last)
+            self._first_token(take[i], row_logits)
+            first.add(i)
+
+        new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone, running=batch, on_first=on_first)
         if alone:
             take[0].cached_tokens = int(self.stepper.reused)
         path = getattr(self.stepper, "path", "batch")
@@ -244,17 +252,8 @@ class Engine:
         if self.metrics is not None:
             self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
         for i, r in enumerate(take):
-            r.sampler = self.stepper.sampler(len(r.prompt_ids), temperature=r.params.temperature,
-                                             top_p=r.params.top_p)
-            if r.sampler.do_sample:
-                r.generator = torch.Generator(device=logits.device)
-                if r.params.seed is not None:
-                    r.generator.manual_seed(int(r.params.seed))
-                else:
-                    r.generator.seed()
-            if r.sampler.needs_ids:
-                r.seq = torch.tensor([r.prompt_ids], dtype=torch.long, device=logits.device)
-            self._accept(r, self._sample(r, logits[i:i + 1]), len(r.prompt_ids) + 1)
+            if i not in first:
+                self._first_token(r, logits[i:i + 1])
         with self._cond:
             if batch is None:
                 self._rows = list(take)
@@ -264,6 +263,19 @@ class Engine:
         if moved and self.metrics is not None:  # the lone row leaves the decode loop for the batch
             self.metrics.path("moved")
         return self.stepper.join(batch, new)
+
+    def _first_token(self, r: Request, logits: torch.Tensor) -> None:
+        """Set up ``r``'s sampling and take its first token from its prompt's ``[1, vocab]`` logits."""
+        r.sampler = self.stepper.sampler(len(r.prompt_ids), temperature=r.params.temperature, top_p=r.params.top_p)
+        if r.sampler.do_sample:
+            r.generator = torch.Generator(device=logits.device)
+            if r.params.seed is not None:
+                r.generator.manual_seed(int(r.params.seed))
+            else:
+                r.generator.seed()
+        if r.sampler.needs_ids:
+            r.seq = torch.tensor([r.prompt_ids], dtype=torch.long, device=logits.device)
+        self._accept(r, self._sample(r, logits), len(r.prompt_ids) + 1)
 
     def _drop(self, batch):
         keep = [i for i, r in enumerate(self._rows) if not r.done and not r.cancelled]

@@ -168,15 +168,18 @@ class TransformersStepper:
 
     # ------------------------------------------------------------------ the four calls
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], alone: bool = False, running=None):
-        """``running``: the batch decoding now, which these prompts will join (None: nothing)."""
+    def prefill(self, prompts: list[list[int]], alone: bool = False, running=None, on_first=None):
+        """``running``: the batch decoding now, which these prompts will join (None: nothing).
+        ``on_first(i, logits)``: called with prompt ``i``'s ``[1, vocab]`` logits as soon as they
+        are known (on the row batch's path each prompt is prefilled alone, one after another: its
+        first token need not wait for the prefills after it)."""
         self.reused = 0
         if alone and running is None and len(prompts) == 1 and self.fits_loop(len(prompts[0])):
             self.path = "loop"
             return self._prefill_loop(prompts[0])
         self.path = "batch"
         if self.slots is not None and (running is None or isinstance(running, (LoopBatch, SlotBatch))):
-            return self._prefill_slots(prompts, running)
+            return self._prefill_slots(prompts, running, on_first)
         from transformers import DynamicCache
 
         width = max(len(p) for p in prompts)
@@ -254,9 +257,10 @@ class TransformersStepper:
         self.can_join = self._loop_joins
         return LoopBatch(loop), logits
 
-    def _prefill_slots(self, prompts, running):
+    def _prefill_slots(self, prompts, running, on_first=None):
         """Each prompt prefilled alone on the decode loop (chat's prefill), then copied into the
-        row batch after the rows running now (a lone row on the loop moves there first)."""
+        row batch after the rows running now (a lone row on the loop moves there first);
+        ``on_first(i, logits)`` as each prompt's prefill ends."""
         slots, loop = self.slots, self.loop
         if running is None:
             slots.clear()
@@ -265,9 +269,11 @@ class TransformersStepper:
             slots.add(loop.cache, loop.length, int(loop.next_positions[0]))
         logits = []
         try:
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 logits.append(loop.prefill(torch.tensor([p], dtype=torch.long)))
                 slots.add(loop.cache, len(p), len(p))
+                if on_first is not None:
+                    on_first(i, logits[-1])
         finally:
             loop.reset()  # the loop's cache no longer holds a conversation to continue
             self._prompt_len = 0
