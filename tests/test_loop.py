@@ -267,6 +267,15 @@ def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_fact
         model.zipmoe.close()
 
 
+def test_a_growths_peak_counts_both_caches():
+    from zipmoe.runtime.engine.kvsize import chunked, growth_peak
+
+    assert [chunked(n, 256, 4096) for n in (1, 256, 257, 3000, 9000)] == [256, 256, 512, 4096, 4096]
+    assert growth_peak(4096) == 4096 + 2048 and growth_peak(576) == 576 + 512
+    assert growth_peak(256) == growth_peak(200) - 200 + 256 == 256  # never grows: one cache
+    assert growth_peak(64, 8) == 64 + 32
+
+
 def test_fixed_and_growing_caches_say_what_they_hold(tmp_path_factory):
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=1)

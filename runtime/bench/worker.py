@@ -266,10 +266,15 @@ def kv_allowance(spec: dict) -> int:
     except Exception:
         return 0
     from zipmoe.runtime.engine.dtypes import ITEMSIZE, compute_dtype
+    from zipmoe.runtime.engine.kvsize import growth_peak, max_context
 
     batch = max([len(c.get("input_ids") or [[0]]) for c in spec.get("cases") or [{}]] or [1])
     itemsize = ITEMSIZE[compute_dtype(bench_engines.BENCH_DTYPE, cfg)]  # the KV cache is in the compute dtype
-    return kv_cache_bytes_upper(cfg, batch=batch, context=int(spec.get("context") or DEFAULT_CONTEXT), itemsize=itemsize)
+    context = int(spec.get("context") or DEFAULT_CONTEXT)
+    limit = max_context(cfg)
+    context = min(context, limit) if limit else context
+    # the loop's cache grows to the run (kv="grow"): at its last growth the old and the new cache are both alive
+    return kv_cache_bytes_upper(cfg, batch=batch, context=growth_peak(context), itemsize=itemsize, clamp=False)
 
 
 def _loop_for(model, runtime, torch, spec: dict, batch: int):

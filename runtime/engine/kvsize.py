@@ -14,7 +14,7 @@ decoder layer holds a self-attention and a cross-attention cache (``num_heads`` 
 
 from __future__ import annotations
 
-__all__ = ["CHUNK", "chunked", "kv_cache_bytes", "kv_cache_bytes_upper", "kv_shapes", "max_context", "plain_static",
+__all__ = ["CHUNK", "chunked", "growth_peak", "kv_cache_bytes", "kv_cache_bytes_upper", "kv_shapes", "max_context", "plain_static",
            "static_cache_bytes"]
 
 CHUNK = 256  # the positions a growing KV cache first takes (the decode loop's, the row batch's), doubling from there
@@ -88,13 +88,15 @@ def kv_cache_bytes(cfg, *, context: int, itemsize: int, batch: int = 1, clamp: b
                for (heads, kd, vd), length in zip(shapes, lengths))
 
 
-def kv_cache_bytes_upper(cfg, *, batch: int, context: int, itemsize: int) -> int:
+def kv_cache_bytes_upper(cfg, *, batch: int, context: int, itemsize: int, clamp: bool = True) -> int:
     """The decode loop's KV cache for ``batch`` rows of ``context`` positions, from config.json
     alone (the bench's memory cgroups): an upper bound, sliding-window layers counted at the
-    full context; 0 for encoder-decoder models (the decode loop does not serve them)."""
+    full context; 0 for encoder-decoder models (the decode loop does not serve them).
+    ``clamp``: ``context`` clamped to the model's limit (False: a growth's peak, which counts two
+    caches' positions)."""
     if _get(cfg, "is_encoder_decoder"):
         return 0
-    return kv_cache_bytes(cfg, batch=batch, context=context, itemsize=itemsize)
+    return kv_cache_bytes(cfg, batch=batch, context=context, itemsize=itemsize, clamp=clamp)
 
 
 def static_cache_bytes(config, *, batch: int, context: int, itemsize: int) -> int:
@@ -114,6 +116,19 @@ def chunked(n: int, first: int, limit: int) -> int:
     while v < n:
         v *= 2
     return min(v, int(limit))
+
+
+def growth_peak(context: int, first: int = CHUNK) -> int:
+    """Positions a cache growing by doublings of ``first`` up to ``context`` holds at its most:
+    during its last growth the old cache (the largest doubling below ``context``) and the new one
+    (``context``) are both alive while the positions are copied."""
+    context = int(context)
+    before = 0
+    v = max(1, int(first))
+    while v < context:
+        before = v
+        v *= 2
+    return context + before
 
 
 def plain_static(config) -> bool:
