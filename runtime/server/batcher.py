@@ -230,13 +230,11 @@ class Engine:
         t0 = time.perf_counter()
         # a request alone decodes on the runtime's own loop (the stepper's), as `zipmoe chat` does
         alone = batch is None and len(take) == 1 and self.stepper.fits_loop(len(take[0].prompt_ids) + take[0].params.max_tokens)
-        first = set()  # the requests whose first token is out
 
         def on_first(i: int, row_logits) -> None:
             # a prompt's first token as soon as its own prefill ends (several prompts joining are
             # prefilled one after another: the first need not wait for the last)
             self._first_token(take[i], row_logits)
-            first.add(i)
 
         new, logits = self.stepper.prefill([r.prompt_ids for r in take], alone=alone, running=batch, on_first=on_first)
         if alone:
@@ -252,7 +250,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.prefill(len(take), sum(len(r.prompt_ids) for r in take), time.perf_counter() - t0)
         for i, r in enumerate(take):
-            if i not in first:
+            if r.sampler is None:  # a path that gives every prompt's logits at its end
                 self._first_token(r, logits[i:i + 1])
         with self._cond:
             if batch is None:
