@@ -46,6 +46,20 @@ def _alone(stepper, ids, n):
     return toks, rows
 
 
+def _run_until(engine, done: threading.Event, started=None, timeout: float = 60) -> None:
+    """Run ``engine`` on a thread, as the server's model thread runs it, until ``done`` is set;
+    ``started()`` is called once the thread runs."""
+    model_thread = threading.Thread(target=engine.run, daemon=True)
+    model_thread.start()
+    try:
+        if started is not None:
+            started()
+        assert done.wait(timeout)
+    finally:
+        engine.stop()
+        model_thread.join(30)
+
+
 def test_lone_row_is_generate(loaded):
     from zipmoe.runtime.server.stepper import TransformersStepper
 
@@ -195,14 +209,7 @@ def test_engine_batches_cancels_and_stops(loaded):
     lone, _ = _alone(TransformersStepper(model), reqs[0].prompt_ids, 6)
     for r in reqs:
         engine.submit(r)
-    model_thread = threading.Thread(target=engine.run, daemon=True)  # as the server's model thread runs it
-    model_thread.start()
-    try:
-        reqs[3].cancel()
-        assert done.wait(60)
-    finally:
-        engine.stop()
-        model_thread.join(30)
+    _run_until(engine, done, started=reqs[3].cancel)
     assert [r.finish_reason for r in reqs[:3]] == ["length"] * 3 and reqs[3].finish_reason == "cancelled"
     assert all(len(r.token_ids) == 6 for r in reqs[:3]) and len(reqs[3].token_ids) < 400
     assert reqs[0].token_ids == lone  # the first two started together: padded, still the same tokens here
@@ -271,13 +278,7 @@ def test_a_lone_sampled_request_is_chats_seeded_turn(loaded):
         req = Request(ids, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=seed),
                       lambda kind, payload: done.set() if kind != "delta" else None)
         engine.submit(req)
-        model_thread = threading.Thread(target=engine.run, daemon=True)
-        model_thread.start()
-        try:
-            assert done.wait(60)
-        finally:
-            engine.stop()
-            model_thread.join(30)
+        _run_until(engine, done)
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones((1, len(ids)), dtype=torch.long)}
         want = chat_turn(model, tok, inputs, max_new_tokens=8, temperature=0.8, top_p=0.9, seed=seed,
                          loop=DecodeLoop(model, context=128))
@@ -362,13 +363,7 @@ def test_each_joining_prompt_gets_its_first_token_after_its_own_prefill(loaded):
         reqs.append(Request(ids, SamplingParams(max_tokens=3, temperature=0.0, every_token=True), sink))
     for r in reqs:
         engine.submit(r)  # all three wait before the model thread starts: they join together
-    model_thread = threading.Thread(target=engine.run, daemon=True)
-    model_thread.start()
-    try:
-        assert done.wait(60)
-    finally:
-        engine.stop()
-        model_thread.join(30)
+    _run_until(engine, done)
     assert [e for e in events if e[0] == "prefill"] == [("prefill", 0), ("prefill", 1), ("prefill", 2)]
     assert events.index(("first", 0)) < events.index(("prefill", 1))
     assert events.index(("first", 1)) < events.index(("prefill", 2))
