@@ -28,14 +28,13 @@ def run(path, budget, tokens: int = 128) -> dict:
     import numpy as np
 
     import zipmoe
-    from zipmoe.codecs.reader import ContainerReader
     from zipmoe.machine import decode_workers, torch_threads
+    from zipmoe.runtime.bench.engines import engine_plan
+    from zipmoe.runtime.bench.engines import container_id as container_id_of
     from zipmoe.runtime.plan.passes import _run_stream, forced_stream
 
-    with ContainerReader(path) as r:
-        cid = r.container_id
     w = decode_workers()
-    plan = {"container_id": cid, "pools": {"full": 1 << 60, "compressed": 0, "sm_only": 0, "e_only": 0}}
+    plan = engine_plan("zipmoe-basic", None, container_id_of(path))  # bench's one pool of full tensors
     model, tok = zipmoe.load(path, budget=budget, device="cpu", plan=plan, workers=w, threads=torch_threads(w),
                              dtype="auto", prefetch=False)
     rt = model.zipmoe
