@@ -97,6 +97,7 @@ def resident(args) -> dict:
         out["tpot_s"] = {k: statistics.median(v) for k, v in figures.items()}
         out["tpot_runs_s"] = figures
         out["same_tokens"] = all(v == tokens["before"] for v in tokens.values())
+        out["distinct_tokens"] = len(set(tokens["before"]))  # of --tokens (every expert resident: no cache to flatter)
     finally:
         model.zipmoe.close()
     return out
@@ -169,7 +170,7 @@ def main() -> None:
         base = r["tpot_s"]["model.generate (before)"]
         for name, v in r["tpot_s"].items():
             print(f"  {name:34s} TPOT {v * 1000:7.1f} ms  ({base / v:.2f}x)")
-        print(f"  same tokens: {r['same_tokens']}")
+        print(f"  same tokens: {r['same_tokens']}; {r['distinct_tokens']} distinct of {args.tokens}")
     if args.skip != "chat":
         c = chat(args)
         doc["chat"] = c
@@ -179,7 +180,7 @@ def main() -> None:
                 tp = f"{t['tpot_s'] * 1000:7.1f} ms" if t["tpot_s"] else "   n/a"
                 cols = f", KV {t['kv_columns']} positions" if t["kv_columns"] else ""
                 print(f"  {side:14s} turn {i + 1}: TTFT {t['ttft_s']:6.2f} s, TPOT {tp}, prompt {t['prompt_tokens']} tokens, "
-                      f"prefilled {t['prefill_tokens']}, {t['new_tokens']} new{cols}")
+                      f"prefilled {t['prefill_tokens']}, {t['new_tokens']} new ({len(set(t['token_ids']))} distinct){cols}")
         print(f"  same tokens per turn: {c['same_tokens']}")
     doc["load_end"] = os.getloadavg()
     print(f"\nload average at the end: {doc['load_end'][0]:.2f}")
