@@ -240,8 +240,9 @@ def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_fact
     holds the prompt and doubles when a step needs room. Every step's logits are ``torch.equal``
     to transformers' generate over a ``StaticCache`` of the loop's columns at that step (grown by
     the same copy), batch 1 and 4 (left padding); a fresh prefill sizes the cache to its prompt
-    again; what it holds is what a StaticCache of its columns allocates. On CUDA with the graphs
-    off (a graphed loop keeps the whole context)."""
+    again; what it holds is what a StaticCache of its columns allocates. ``kv="fixed"`` beside it
+    equals plain generate over a StaticCache of the whole context. On CUDA with the graphs off (a
+    graphed loop keeps the whole context)."""
     src, path = container(tmp_path_factory, family)
     ref = reference(src, device)
     vocab = _vocab(src)
@@ -263,6 +264,13 @@ def test_a_growing_cache_equals_transformers_over_the_same_columns(tmp_path_fact
             assert loop.kv_bytes_limit == loop.kv_bytes  # grown to the whole context
             loop.prefill(batch["input_ids"], batch["attention_mask"])
             assert loop.columns == 16 and loop.kv_bytes * 4 == loop.kv_bytes_limit
+            # kv="fixed": the whole context from the start, plain generate over a StaticCache of it
+            fixed = DecodeLoop(model, context=context, batch=b, kv="fixed", graphs="off")
+            res = fixed.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, keep_logits=True, generation_kwargs={"pad_token_id": 0})
+            _check(res, _ref_generate(ref, batch, steps, context=context, min_new_tokens=steps),
+                   batch["input_ids"].shape[1], f"{family} batch {b} fixed")
+            assert fixed.columns == context and fixed.growths == 0
     finally:
         model.zipmoe.close()
 
