@@ -120,24 +120,30 @@ suite_decode_gpu() {  # the decode step at the GPU's speed: the decode model is 
         --json "$WORK/decode-miss.json" --work-dir "$D/bench"
 }
 
-suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (the row batch's graphs among them), the
-    # resident decode step at batch 1, 4 and 16 (LAYERS=24, every expert resident), then the same model packed with zstd,
+suite_serve() {  # `zipmoe serve` under load on the GPU (§25): the GPU tests (the row batch's graphs among them) and
+    # the server's own tests serving on CUDA, the resident decode step at batch 1, 4 and 16 (LAYERS=24, every expert
+    # resident; the code in .before/ beside it at batch 4 and 16 when it travels), then the same model packed with zstd,
     # as a user packs it, served at SERVE_BUDGETS (16G 8G): benchmarks/serve_load.py at 1, 4 and 16 clients, SERVE_TOKENS
-    # (64) new tokens sampled at SERVE_TEMPERATURE (1.0: greedy decoding of random weights is a loop), this code and the
-    # code in .before/ in turn, `zipmoe chat` on the same prompts beside this code's first run (about 20 min); SERVE_CHAT=0 leaves chat out
+    # (64) new tokens sampled at SERVE_TEMPERATURE (1.0: greedy decoding of random weights is a loop), SERVE_REQUESTS (4)
+    # requests a level, SERVE_VERSIONS ("after before": this code and the code in .before/) in turn, `zipmoe chat` on
+    # the same prompts beside this code's first run (about 20 min); SERVE_CHAT=0 leaves chat out
     local L=${LAYERS:-24} D=$WORK/dec name=qwen1.5-moe-a2.7b b v first=1
     [ "$L" != 0 ] && name=$name-${L}L
     stage probe 120 probe
     stage before-install 120 before_install
     bg_stage decode-build 230 python3 "$REPO/benchmarks/decode_gpu.py" --build-only --work "$D" --layers "$L"
     stage gpu-tests 420 gpu_tests
+    GPU_TEST_FILES="test_serve.py test_serve_engine.py" GPU_TEST_MARK="" stage serve-tests 420 gpu_tests
     wait_bg
     stage decode 300 python3 "$REPO/benchmarks/decode_gpu.py" --work "$D" --layers "$L" --batch 1,4,16 --tokens 12 --skip 3 \
         --compare 8 --profile-tokens "${PROFILE_TOKENS:-2}" --engines "${ENGINES:-zipmoe-graphed,hf-grouped_mm}" --json "$WORK/decode_gpu.json"
+    [ -d "${SITE:-}-before/zipmoe" ] && stage decode-before 240 env PYTHONPATH="$SITE-before:$PYTHONPATH" python3 \
+        "$REPO/.before/benchmarks/decode_gpu.py" --work "$D" --layers "$L" --batch 4,16 --tokens 12 --skip 3 --compare 8 \
+        --profile-tokens "${PROFILE_TOKENS:-2}" --engines zipmoe-graphed --json "$WORK/decode_gpu_before.json"
     # the raw container goes first (disk: the source and one container at a time)
     stage serve-pack 300 sh -c 'rm -f "$1/$2.zmoe" && zipmoe pack "$1/$2-src" -o "$1/$2-zstd.zmoe" --force' sh "$D" "$name"
     for b in ${SERVE_BUDGETS:-16G 8G}; do
-        for v in after before; do
+        for v in ${SERVE_VERSIONS:-after before}; do
             stage "serve-$b-$v" 420 serve_load "$v" "$D/$name-zstd.zmoe" "$b" $([ $first = 1 ] && [ $v = after ] && [ "${SERVE_CHAT:-1}" = 1 ] && echo --chat)
         done
         first=0
@@ -152,7 +158,7 @@ serve_load() {  # serve_load after|before FILE BUDGET [MORE]: benchmarks/serve_l
     fi
     x cd /tmp
     x env PYTHONPATH="$pp" python3 "$REPO/benchmarks/serve_load.py" "$f" --budget "$b" --max-batch 16 --concurrency 1,4,16 \
-        --requests 4 --new-tokens "${SERVE_TOKENS:-64}" --temperature "${SERVE_TEMPERATURE:-1.0}" --serve-args "--device cuda" \
+        --requests "${SERVE_REQUESTS:-4}" --new-tokens "${SERVE_TOKENS:-64}" --temperature "${SERVE_TEMPERATURE:-1.0}" --serve-args "--device cuda" \
         --json "$WORK/serve-$b-$v.json" "$@"
 }
 

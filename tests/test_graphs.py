@@ -234,8 +234,8 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
 
     Batch 1: the device-side sort, the gather through the slot map, the eager loop's ops.
     Batch 3, 4 and 16: the per-layer gathers, the per-(group, count) weight gathers and the
-    per-(rank, token count) bodies fed from the host's index buffer, replayed in ascending
-    expert order (16 rows route to more experts than one weight group holds). (On CUDA the
+    per-(rank, token count) bodies fed from the host's index buffer and the runs of one-token
+    ranks (replay_plan), replayed in ascending expert order (16 rows route to more experts than one weight group holds). (On CUDA the
     same bodies are captured and replayed: tests above.)
     """
     from zipmoe.runtime.engine import graphs
@@ -251,8 +251,9 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
     g = torch.Generator().manual_seed(3)
     step = object.__new__(graphs.GraphedStep)  # no CUDA here: only what the bodies read
     step.slots, step.rt, step.pool, step._w = rt.slots, rt, None, {}
+    ops = set()
     try:
-        for batch in (1, 4, 4, 16, 3):
+        for batch in (1, 4, 4, 16, 3, 2):
             hidden = torch.randn((batch, hidden_size), generator=g).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(rt.num_experts, generator=g)[:rt.top_k] for _ in range(batch)])
             weights = torch.rand((batch, rt.top_k), generator=g).to(torch.bfloat16)
@@ -265,7 +266,9 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
                     grouped = graphs._Grouped(step, sp)
                     experts, index, sizes = routed_indices(ids, rt.num_experts)
                     grouped.run(sp, experts, index, sizes, rt.slots)
+                    ops.update(op for op, _, _ in graphs.replay_plan(sizes, grouped.G))
             assert torch.equal(sp.out, want), f"batch {batch}"
+        assert ops == {"gather", "one", "run"}  # runs of one-token experts and lone ranks both ran
     finally:
         rt.close()
 
@@ -409,3 +412,34 @@ def test_graphed_step_in_the_decode_loops_form(tmp_path_factory, family):
                 assert torch.equal(a, b), f"{family} batch {batch}: logits differ at step {i}"
     finally:
         model.zipmoe.close()
+
+
+def test_replay_plan_covers_every_rank_once_in_order():
+    """_Grouped's replays: every hit rank once, ascending; runs only of one-token ranks inside one
+    weight group; each group's gather before its ranks (the kernels of one graph per rank)."""
+    from zipmoe.runtime.engine.graphs import replay_plan
+
+    assert replay_plan([1, 1, 2, 1, 1, 1, 3], 4) == [
+        ("gather", 0, 4), ("run", 0, 2), ("one", 2, 2), ("one", 3, 1),
+        ("gather", 1, 3), ("run", 4, 2), ("one", 6, 3)]
+    assert replay_plan([2, 2], 4) == [("gather", 0, 2), ("one", 0, 2), ("one", 1, 2)]
+    assert replay_plan([1] * 9, 4) == [("gather", 0, 4), ("run", 0, 4), ("gather", 1, 4), ("run", 4, 4),
+                                       ("gather", 2, 1), ("one", 8, 1)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        group = int(torch.randint(1, 6, (1,), generator=g))
+        ranks, gathered = [], -1
+        for op, a, b in replay_plan(sizes, group):
+            if op == "gather":
+                assert a == gathered + 1 and b == min(group, len(sizes) - a * group)
+                gathered = a
+                continue
+            r = list(range(a, a + b)) if op == "run" else [a]
+            assert all(j // group == gathered for j in r)
+            if op == "run":
+                assert b >= 2 and all(sizes[j] == 1 for j in r)
+            else:
+                assert b == sizes[a]
+            ranks += r
+        assert ranks == list(range(len(sizes)))

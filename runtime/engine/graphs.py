@@ -23,8 +23,9 @@ captures that very call (same function, same arguments) and replays it:
   eager loop's ``F.linear`` shapes: one graph per (rank among the layer's hit experts, token
   count) is captured (:class:`_Grouped`), and the host, once it has the routing (the same
   small copy, waited for), writes the tokens, top-k positions and slots of every hit expert
-  into one index buffer and replays the graphs of the layer's experts in ascending order:
-  the eager loop's shapes and accumulation order, no per-op dispatch. A layer with a miss
+  into one index buffer and replays the graphs of the layer's experts in ascending order
+  (runs of single-token experts from one graph each): the eager loop's shapes and
+  accumulation order, no per-op dispatch. A layer with a miss
   runs the host path. On unless ``EngineSettings.batched_sparse`` is False (then batch > 1
   sparse blocks run on the host path).
 
@@ -50,7 +51,7 @@ from zipmoe.runtime.engine.expert_math import accumulate, expert_output, expert_
 from zipmoe.runtime.engine.experts_hook import experts_host_path, routed_indices
 from zipmoe.runtime.engine.step import forward as step_forward, static_mask
 
-__all__ = ["GraphedStep", "supported", "BATCHES", "why_not"]
+__all__ = ["GraphedStep", "supported", "BATCHES", "why_not", "replay_plan"]
 
 BATCHES = (1, 2, 3, 4, 8, 16)
 
@@ -102,6 +103,31 @@ def _aligned_rows(rows: int, row_bytes: int, align: int = 256) -> int:
     return -(-rows // q) * q
 
 
+def replay_plan(sizes: list, group: int) -> list:
+    """The graphs :meth:`_Grouped.run` replays for hit experts of token counts ``sizes``
+    (ascending expert order), weight groups of ``group`` ranks: per group, ``("gather", g, c)``
+    (its ``c`` experts' weights), then its ranks in order: ``("run", j, r)`` for ``r >= 2``
+    consecutive ranks of one token each, ``("one", j, m)`` for a lone rank of ``m`` tokens.
+    The same kernels in the same order as one graph per rank, in fewer replays (each replay
+    costs the host a launch: at batch 4 most hit experts get one token)."""
+    plan = []
+    for lo in range(0, len(sizes), group):
+        hi = min(lo + group, len(sizes))
+        plan.append(("gather", lo // group, hi - lo))
+        j = lo
+        while j < hi:
+            r = 0
+            while j + r < hi and sizes[j + r] == 1:
+                r += 1
+            if r >= 2:
+                plan.append(("run", j, r))
+                j += r
+            else:
+                plan.append(("one", j, sizes[j]))
+                j += 1
+    return plan
+
+
 class _Grouped:
     """Batch > 1: one small graph per (rank ``j`` among the layer's hit experts, token count ``m``).
 
@@ -118,7 +144,9 @@ class _Grouped:
     expert's tokens, routing-weight positions and slots into one index buffer (vectorised numpy,
     one host->device copy), then replays the gathers and the experts' graphs in ascending expert
     order: the same ``F.linear`` shapes, the same accumulation order as the eager loop, six
-    kernels per expert. Shared by every layer whose tensors have the same shapes.
+    kernels per expert. Consecutive ranks of one token each within a weight group replay from
+    one graph ``run (j, r)`` (:func:`replay_plan`): the same kernels, fewer host launches.
+    Shared by every layer whose tensors have the same shapes.
     """
 
     GROUP = 4  # experts whose weights one gather copies (the static weight buffers hold this many)
@@ -164,6 +192,13 @@ class _Grouped:
         for j in range(J):
             for m in range(1, tokens + 1):
                 self.graphs[(j, m)] = self._graph(self.pool, lambda j=j, m=m: self._body(j, m))
+        # runs of single-token experts inside one weight group, one graph each (fewer replays)
+        self.runs: dict = {}
+        for g, most in self.groups:
+            lo = g * self.G
+            for j in range(lo, lo + most - 1):
+                for r in range(2, lo + most - j + 1):
+                    self.runs[(j, r)] = self._graph(self.pool, lambda j=j, r=r: self._run_body(j, r))
 
     @staticmethod
     def _graph(pool, fn):
@@ -190,6 +225,11 @@ class _Grouped:
         h = expert_rows(self.cs[s:s + m], self.w["gate_up"][i], self.w["down"][i], self.act_fn, self.cw[s:s + m, None])
         accumulate(self.out, self.tok[s:s + m], h)
 
+    def _run_body(self, j: int, r: int) -> None:
+        """Ranks ``j`` .. ``j + r - 1``, one token each: their bodies one after the other."""
+        for i in range(j, j + r):
+            self._body(i, 1)
+
     def fill(self, experts: list, index, sizes: list, slots, layer: int) -> None:
         """The layer's routing into the pinned index buffer (host side; :meth:`run` copies it over)."""
         J, n = self.J, self.J * self.rows
@@ -213,15 +253,8 @@ class _Grouped:
         torch.index_select(sp.hidden, 0, self.tok, out=self.cs)
         torch.index_select(sp.weights.reshape(-1), 0, self.lin, out=self.cw)
         self.out.zero_()
-        hit = len(sizes)
-        for g, most in self.groups:
-            lo = g * self.G
-            if lo >= hit:
-                break
-            c = min(most, hit - lo)
-            self.gathers[(g, c)].replay()
-            for j in range(lo, lo + c):
-                self.graphs[(j, sizes[j])].replay()
+        for op, a, b in replay_plan(sizes, self.G):
+            (self.gathers if op == "gather" else self.runs if op == "run" else self.graphs)[(a, b)].replay()
         sp.out.copy_(self.out)
 
 
