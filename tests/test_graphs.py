@@ -113,6 +113,30 @@ def test_graphed_decode_is_bit_identical(tmp_path_factory, gpu_refs, family, bat
 
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("batch", [1, 4])
+def test_graphed_layers_count_what_the_eager_step_counts(tmp_path_factory, batch):
+    """A layer served from graphs is accounted after the next piece is launched (GraphedStep._account):
+    at the step's end the hits, expert uses per layer and layer calls equal the eager step's."""
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=1, device="cuda")
+    prompt = _prompt(_vocab(src), batch, "cuda", seed=20 + batch)
+    seen = []
+    for graphs in (False, True):
+        model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), device="cuda", workers=1, warm=True)
+        rt = model.zipmoe
+        try:
+            _, step = decode(model, prompt, graphs=graphs)
+            if graphs:
+                assert step.stats["graphed_layers"] > 0 and step.stats["host_layers"] == 0, step.stats
+            c = rt.counters
+            seen.append((dict(c.hits), json.dumps(c.uses, sort_keys=True), c.layer_calls, c.expert_calls))
+        finally:
+            rt.close()
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.gpu
+@CUDA
 def test_graphs_refuse_what_they_cannot_serve(tmp_path_factory):
     src, path = container(tmp_path_factory, "switch_transformers")
     model, _ = zipmoe.load(path, budget="64M", device="cuda", workers=1)

@@ -300,6 +300,7 @@ class GraphedStep:
         self._w: dict = {}
         self._ids_host = None
         self._event = torch.cuda.Event()
+        self._pending = None  # a graphed layer's accounting, done while the GPU computes the next piece
         self.stats = {"graphed_layers": 0, "host_layers": 0}
 
     # ------------------------------------------------------------------ public
@@ -326,6 +327,7 @@ class GraphedStep:
                 piece.replay()
                 self._sparse_step(sp)
             self.pieces[-1].replay()
+            self._account()
             return self.s_logits.clone()
 
     def _forward(self, ids, pos, mask):
@@ -346,6 +348,7 @@ class GraphedStep:
             self._end_piece()
         torch.cuda.current_stream().wait_stream(self.stream)
         torch.cuda.synchronize()
+        self._account()
         return self.s_logits.clone()
 
     def _begin(self):
@@ -416,11 +419,21 @@ class GraphedStep:
             self._ids_host = torch.empty(sp.ids.shape, dtype=sp.ids.dtype, pin_memory=True)
         self._ids_host.copy_(sp.ids, non_blocking=True)
         self._event.record()
+        self._account()  # the previous layer's, while the GPU computes this piece
 
     def _graphed(self, sp: _Sparse, experts, t0: float) -> None:
-        """Account a sparse block served from graphs: every routed expert a full-pool hit."""
-        self.rt.layer_computed(sp.layer, experts, time.perf_counter() - t0)
+        """A sparse block served from graphs: accounted (every routed expert a full-pool hit) by
+        :meth:`_account` once the next piece is launched, off the path the GPU waits on."""
+        self._pending = (sp.layer, experts, time.perf_counter() - t0)
         self.stats["graphed_layers"] += 1
+
+    def _account(self) -> None:
+        """The pending graphed layer's cache uses and counters (before any later layer's lookups:
+        the same order of uses as accounting it at once)."""
+        if self._pending is not None:
+            layer, experts, seconds = self._pending
+            self._pending = None
+            self.rt.layer_computed(layer, experts, seconds)
 
     def _sparse_step(self, sp: _Sparse) -> None:
         rt = self.rt
@@ -441,5 +454,6 @@ class GraphedStep:
                 sp.grouped.run(sp, experts, index, sizes, self.slots)
                 return self._graphed(sp, experts, t0)
         # the host path: the runtime's experts computation (fetches misses), its output replaces the graph's
+        self._account()
         sp.out.copy_(experts_host_path(sp.module, sp.hidden, sp.ids, sp.weights))
         self.stats["host_layers"] += 1
