@@ -87,7 +87,7 @@ def supported(model, batch: int) -> bool:
 class _Sparse:
     """One experts call of the captured forward: its static tensors and its graph (batch 1)."""
 
-    __slots__ = ("module", "layer", "hidden", "ids", "weights", "out", "graph", "grouped")
+    __slots__ = ("module", "layer", "hidden", "ids", "weights", "out", "graph", "grouped", "prologue")
 
     def __init__(self, module, hidden, ids, weights, out) -> None:
         self.module = module
@@ -95,6 +95,7 @@ class _Sparse:
         self.hidden, self.ids, self.weights, self.out = hidden, ids, weights, out
         self.graph = None
         self.grouped = None
+        self.prologue = None  # batch > 1: this layer's gathers of hidden rows and routing weights (one graph)
 
 
 def _aligned_rows(rows: int, row_bytes: int, align: int = 256) -> int:
@@ -246,13 +247,27 @@ class _Grouped:
         host[0:len(experts)] = slots.host["gate_up"][r][experts]
         host[J:J + len(experts)] = slots.host["down"][r][experts]
 
+    def prologue(self, sp: _Sparse) -> None:
+        """Layer ``sp``'s rows of the hidden states and routing weights into the rank blocks (exact
+        copies, by the index buffer), and the output zeroed."""
+        torch.index_select(sp.hidden, 0, self.tok, out=self.cs)
+        torch.index_select(sp.weights.reshape(-1), 0, self.lin, out=self.cw)
+        self.out.zero_()
+
+    def prologue_graph(self, sp: _Sparse):
+        """:meth:`prologue` of one layer as a graph (its tensors are that layer's); run once first
+        (lazy library state), as the other graphs are."""
+        self.prologue(sp)
+        return self._graph(self.pool, lambda: self.prologue(sp))
+
     def run(self, sp: _Sparse, experts: list, index, sizes: list, slots) -> None:
         """Write the layer's routing into the index buffer and replay its hit experts' graphs."""
         self.fill(experts, index, sizes, slots, sp.layer)
         self.idx.copy_(self.idx_host, non_blocking=True)
-        torch.index_select(sp.hidden, 0, self.tok, out=self.cs)
-        torch.index_select(sp.weights.reshape(-1), 0, self.lin, out=self.cw)
-        self.out.zero_()
+        if sp.prologue is not None:
+            sp.prologue.replay()
+        else:
+            self.prologue(sp)
         for op, a, b in replay_plan(sizes, self.G):
             (self.gathers if op == "gather" else self.runs if op == "run" else self.graphs)[(a, b)].replay()
         sp.out.copy_(self.out)
@@ -378,6 +393,7 @@ class GraphedStep:
             if key not in self._grouped:
                 self._grouped[key] = _Grouped(self, sp)
             sp.grouped = self._grouped[key]
+            sp.prologue = sp.grouped.prologue_graph(sp)
         self.sparse.append(sp)
         self._sparse_step(sp)
         self._cur = self._begin()
