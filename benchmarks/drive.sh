@@ -61,6 +61,7 @@ SUITE_TABLE="gpu-tests|pytest -m gpu over tests/ (Triton merge, graphed decode, 
 fidelity|the attention kernels probed, benchmarks/fidelity_gpu.py --out RUN/fidelity [ARGS after --], gpu-tests; FID_REPRO=1: the check with --attention pytorch; the decode step per attention choice at FID_CONTEXT (4096)
 kernels|the Triton merge kernel (benchmarks/gpu_merge.py: exactness, GB/s against a copy), the codec benchmark on every core (§1-3)
 serve|zipmoe serve under load: gpu-tests, the resident decode step at batch 1,4,16 (24 layers), serve_load.py at 16G and 8G, 1/4/16 clients, 64 sampled tokens, this code and .before/'s in turn, chat beside (§25, ~20 min)
+decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCHES 4,16), the code in .before/ and this code alternating, twice (carry .before; ~6 min)
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
@@ -102,6 +103,26 @@ suite_kernels() {  # what needs the GPU box but no model: the merge kernel, the 
     stage probe 120 probe
     stage gpu-merge 240 python3 "$REPO/benchmarks/gpu_merge.py" --json "$WORK/gpu_merge.json"
     stage codecs 300 python3 "$REPO/benchmarks/codecs.py" --values 64M --repeat 3 --workers "${WORKERS:-$(nproc)}"
+}
+
+suite_decode_ab() {  # the resident decode step before and after a change, alternating in one call (the graphed step's A/B)
+    local L=${LAYERS:-24} D=$WORK/dec
+    stage probe 120 probe
+    stage before-install 120 before_install
+    stage decode-build 230 python3 "$REPO/benchmarks/decode_gpu.py" --build-only --work "$D" --layers "$L"
+    stage decode-ab 300 decode_ab "$D" "$L"
+}
+
+decode_ab() {  # decode_ab DIR LAYERS: decode_gpu.py of each version (zipmoe-graphed, AB_BATCHES), before/after twice
+    local D=$1 L=$2 v pp script n=0
+    [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+    x cd /tmp
+    for v in before after before after; do
+        if [ "$v" = before ]; then pp="$SITE-before:$PYTHONPATH"; script=$REPO/.before/benchmarks/decode_gpu.py
+        else pp=$PYTHONPATH; script=$REPO/benchmarks/decode_gpu.py; fi
+        x env PYTHONPATH="$pp" python3 "$script" --work "$D" --layers "$L" --batch "${AB_BATCHES:-4,16}" --tokens 24 --skip 3 \
+            --compare 0 --profile-tokens 0 --engines zipmoe-graphed --json "$WORK/decode-ab-$v-$((++n)).json"
+    done
 }
 
 suite_decode_gpu() {  # the decode step at the GPU's speed: the decode model is built on the CPU beside the GPU tests
