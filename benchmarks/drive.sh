@@ -65,7 +65,7 @@ decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCH
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1), a second round (CACHE_ROUNDS=2); gpu-tests (§22, §22c, §22d: about 20 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -264,10 +264,14 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-b4.json"
         done
     fi
-    # 512 new tokens at the largest budget: the plan and full tensors only (CACHE_LONG=1)
-    [ "${CACHE_LONG:-0}" != 0 ] && stage "bench-$last-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
-        --plan "$W/qwen-plan-$last.json" --budget "$last" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
-        --time-limit 150 --json "$W/qwen-512.json"
+    # 512 new tokens: the plan and full tensors only (CACHE_LONG=1), at CACHE_LONG_BUDGETS (default the largest)
+    if [ "${CACHE_LONG:-0}" != 0 ]; then
+        for b in ${CACHE_LONG_BUDGETS:-$last}; do
+            stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+                --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
+                --time-limit 150 --json "$W/qwen-512.json"
+        done
+    fi
     # a second round of the plan and full tensors only at the outer budgets, in the other order
     # (CACHE_ROUNDS=2): the run-to-run spread of this disk beside the differences measured
     if [ "${CACHE_ROUNDS:-1}" -ge 2 ]; then

@@ -77,6 +77,13 @@ def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_wh
     assert "full tensors only is the best plan found" in text and "compressed" in text
     # the prediction: the resident step plus what the layers add
     assert plan["expected_tpot_s"] > 0.010
+    assert "fitted to a served run" not in text
+    # a profile whose misses were fitted to a served run says so, with the arithmetic
+    prof["step_costs"]["served_fit"] = {"scale": 1.6, "measured_step_s": 0.050, "model_step_s": 0.035,
+                                        "passes_miss_s": 0.0034, "steps": 64, "capacity": 1}
+    text = "\n".join(make_plan(layout, budget, stats, prof, workers=1)["explain"])
+    assert "a miss fitted to a served run at capacity (64 steps" in text
+    assert "50.0 ms per step measured against 35.0 ms charged with the passes' 3.400 ms per miss, so misses cost 1.60x" in text
 
 
 def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():
@@ -281,3 +288,53 @@ def test_serving_passes_hold_each_state(container, device):
         assert states[f"misses_{j}"]["miss_share"] == pytest.approx(j / layout.top_k, abs=0.1)
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it
+
+
+def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_took(container, monkeypatch):
+    """Without graphs the profile serves the stream at capacity (half the experts whole, from an
+    empty cache) and scales the misses' costs so that the cost model, charged for that run's own
+    routing (replayed: the run's hits), gives the run's measured mean step."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan import passes
+    from zipmoe.runtime.plan.replay import model_run
+
+    seen = {}
+    real = passes.served_miss_scale
+
+    def spy(sc, served, rt):
+        seen.update(sc=sc, served=served, view=passes._PoolsView(rt, served["capacity"]))
+        return real(sc, served, rt)
+
+    monkeypatch.setattr(passes, "served_miss_scale", spy)
+    path, _cid, layout = container
+    out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
+    assert "serving_error" not in out, out.get("serving_error")
+    served = out["states"]["served"]
+    assert served["steps"] == 12 and "routing" not in served  # the profile keeps no routing
+    assert served["capacity"] == int(0.5 * layout.total_expert_full)
+    assert served["hits"]["none"] > 0 and served["hits"]["full"] > 0  # at capacity: hits and misses
+    sc, fit, before = out["step_costs"], out["step_costs"]["served_fit"], seen["sc"]
+    assert len(seen["served"]["routing"]) == 13  # the prefill, then a step per token
+    assert fit["passes_miss_s"] == before["per_expert_s"]["none"]
+    assert sc["per_expert_s"]["none"] == pytest.approx(before["per_expert_s"]["none"] * fit["scale"])
+    for j, v in before["miss_curve_s"].items():
+        assert sc["miss_curve_s"][j] == pytest.approx(v * fit["scale"])
+    for s in ("full", "compressed", "sm_only", "e_only"):
+        assert sc["per_expert_s"][s] == before["per_expert_s"][s]
+    charged = model_run(seen["served"]["routing"], seen["view"], {"step_costs": sc}, prefill_steps=1)["model_tpot_s"]
+    if 0.5 < fit["scale"] < 3.0:  # not clamped: the fitted model charges the run its measured step
+        assert charged == pytest.approx(fit["measured_step_s"], rel=1e-6)
+    else:
+        assert (charged - sc["resident_step_s"]) == pytest.approx(
+            fit["scale"] * (fit["model_step_s"] - sc["resident_step_s"]), rel=1e-6)
+    json.dumps(out)
+
+
+def test_no_served_fit_when_switched_off_or_without_a_run(container):
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan.passes import measure_runtime, served_miss_scale
+
+    path, _cid, layout = container
+    out = measure_runtime(path, layout, "cpu", workers=1, tokens=3, warmup=2, miss_tokens=3, served_tokens=0)
+    assert "served" not in out["states"] and "served_fit" not in out["step_costs"]
+    assert served_miss_scale(out["step_costs"], {"mean_step_s": 0.1, "routing": [], "capacity": 0, "steps": 0}, None) is None

@@ -18,7 +18,12 @@ runtime's counters:
   pools) swapped in, a warm pass of the stream to admit every expert it uses, then the stream
   again, timed: every chosen expert in that state;
 * ``none``: the cache emptied before every step: every chosen expert a miss (read, decompress,
-  merge), with the runtime's prefetch setting (so with prefetch on these are prefetched misses).
+  merge), with the runtime's prefetch setting (so with prefetch on these are prefetched misses);
+* ``served`` (without CUDA graphs): a run at capacity, from an empty cache whose full pool holds
+  half the experts, LFU evicting: the misses' costs are scaled so that the cost model charges
+  this run's own routing what it took (:func:`served_miss_scale`). The passes above drop experts
+  read moments before; a run's misses are experts evicted long before, and on the CPU box they
+  cost 1.4-2.0x more (docs/benchmarks.md §22e).
 
 :func:`state_step_costs` turns them into the planner's per-state costs: the time a sparse layer
 adds over the resident step per expert in each state (runtime/plan/model.py, ``StepCosts``).
@@ -30,7 +35,7 @@ import time
 
 import numpy as np
 
-__all__ = ["measure_runtime", "state_pass", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "state_pass", "served_pass", "served_miss_scale", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -67,29 +72,38 @@ def _pass_loop(model, rt, need: int):
     return loop
 
 
-def _run_stream(model, rt, prompt, forced, *, between_steps=None) -> tuple[list[float], dict]:
+def _run_stream(model, rt, prompt, forced, *, between_steps=None, routing: list | None = None) -> tuple[list[float], dict]:
     """Prefill ``prompt``, then feed ``forced`` one token per step through the runtime's decode
-    loop; returns each step's wall time (device synchronised) and the counters' delta of the steps."""
+    loop; returns each step's wall time (device synchronised) and the counters' delta of the steps.
+    ``routing``: a list that receives, per token (the prefill first), its layer calls
+    ``(layer, experts)`` as bench records them (the counters' ``log_uses``)."""
     import torch
 
     from zipmoe.runtime.engine.counters import delta
 
     loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1)
     cuda = rt.device.type == "cuda"
+    log = rt.counters.log_uses if routing is not None else (lambda on: None)
     with torch.inference_mode():
+        log(True)
         loop.prefill(prompt.to(rt.device))
         if cuda:
             torch.cuda.synchronize()
+        if routing is not None:
+            routing.append(list(log(False) or []))
         before = rt.counters.snapshot()
         times = []
         for t in forced:
             if between_steps is not None:
                 between_steps()
+            log(True)
             t0 = time.perf_counter()
             loop.step(torch.tensor([t], dtype=torch.long))
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            if routing is not None:
+                routing.append(list(log(False) or []))
     return times, delta(rt.counters.snapshot(), before)
 
 
@@ -192,6 +206,69 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1) -> dict:
             **_layer_figures(d), "miss_share": d["hits"].get("none", 0) / uses, "hits": dict(d["hits"])}
 
 
+def served_pass(model, rt, prompt, forced, capacity: int) -> dict:
+    """Serve ``forced`` from an empty cache of the runtime's own kind whose full pool holds
+    ``capacity`` bytes (LFU eviction at capacity, as in a run at a budget that holds a part of the
+    experts): the step times and the routing of every token, for :func:`served_miss_scale`.
+    Where the runtime has CUDA graphs a swapped cache runs every layer on the host path, which
+    a run does not; :func:`measure_runtime` serves it only without graphs."""
+    routing: list = []
+    old = rt.swap_cache(rt._new_cache({"full": int(capacity)}))
+    try:
+        times, d = _run_stream(model, rt, prompt, forced, routing=routing)
+    finally:
+        rt.swap_cache(old)
+    return {"state": "served at capacity", "capacity": int(capacity), "steps": len(times),
+            "mean_step_s": float(np.mean(times)) if times else None, "step_s_all": [float(t) for t in times],
+            "hits": dict(d["hits"]), "routing": routing}
+
+
+class _PoolsView:
+    """What ``replay.model_run`` reads of a runtime, for a served pass's swapped cache."""
+
+    def __init__(self, rt, capacity: int) -> None:
+        self.top_k, self.expert_tensors, self.slots = rt.top_k, rt.expert_tensors, None
+        self.pools = {"full": int(capacity)}
+        self.cache = rt.cache  # its aging period is the served cache's (``Runtime._new_cache``)
+
+
+def served_miss_scale(sc: dict, served: dict, rt) -> dict | None:
+    """Fit the miss cost to a served run. The cost model (``StepTable`` over the per-state costs
+    ``sc``) charged for the served pass's own routing, replayed through the same cache
+    (runtime/plan/replay.py ``model_run``: its hits are the run's), against the pass's measured
+    mean step: ``scale = (measured - resident) / (model - resident)``, the factor the misses'
+    costs (``per_expert_s["none"]`` and the miss curve) take so that the model charges the run
+    what it took. The passes that drop experts read moments before (``none``, ``misses_j``)
+    measure a miss cheaper than a run whose misses are experts evicted long before (docs/
+    benchmarks.md §22e: 1.4-2.0x on the CPU box); the served run is the serving path at capacity.
+    Returns ``{"scale", "measured_step_s", "model_step_s", "capacity", "steps"}`` or None when the
+    run had no misses to fit or the model charges it nothing."""
+    from zipmoe.runtime.plan.replay import model_run
+
+    if not served.get("mean_step_s") or not served.get("routing"):
+        return None
+    m = model_run(served["routing"], _PoolsView(rt, served["capacity"]), {"step_costs": sc}, prefill_steps=1)
+    if m is None:
+        return None
+    base = float(sc["resident_step_s"])
+    extra_model = float(m["model_tpot_s"]) - base
+    extra_run = float(served["mean_step_s"]) - base
+    if extra_model <= 0 or m["model_hits"].get("none", 0.0) <= 0:
+        return None
+    return {"scale": max(0.5, min(3.0, extra_run / extra_model)), "measured_step_s": float(served["mean_step_s"]),
+            "model_step_s": float(m["model_tpot_s"]), "capacity": int(served["capacity"]), "steps": int(served["steps"]),
+            "misses_per_layer_call": float(m["model_hits"]["none"])}
+
+
+def scale_misses(sc: dict, scale: float) -> dict:
+    """``sc`` with a miss's cost and the miss curve times ``scale`` (the other states unchanged)."""
+    out = dict(sc, per_expert_s=dict(sc["per_expert_s"]))
+    out["per_expert_s"]["none"] = float(sc["per_expert_s"]["none"]) * scale
+    if sc.get("miss_curve_s"):
+        out["miss_curve_s"] = {j: float(v) * scale for j, v in sc["miss_curve_s"].items()}
+    return out
+
+
 def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | None:
     """The planner's per-state costs from the passes: for each state, the seconds one expert in
     that state adds to a decode step over ``resident`` (every expert a full hit, graphed where
@@ -232,7 +309,8 @@ def miss_counts(k: int) -> list[int]:
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
-                    miss_tokens: int = 8, load_options: dict | None = None) -> dict:
+                    miss_tokens: int = 8, load_options: dict | None = None, served_tokens: int = 64,
+                    served_share: float = 0.5) -> dict:
     """Serve the teacher-forced stream through the runtime, once per cache state, and read its counters.
 
     The budget holds every expert when that fits in a quarter of the free memory, else as much
@@ -243,6 +321,10 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
     own overhead with every expert resident, and per cache state the step it makes
     (``states``). ``load_options``: more keyword arguments of ``load`` (``readers``,
     ``prefetch``, ``force``).
+
+    Without CUDA graphs, one more pass serves ``served_tokens`` of the stream from an empty cache
+    whose full pool holds ``served_share`` of the experts (:func:`served_pass`), and the misses'
+    costs are fitted to it (:func:`served_miss_scale`, ``step_costs["served_fit"]``); 0 skips it.
     """
     import torch
 
@@ -301,6 +383,17 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             out["serving"] = passes["none"]
             out["serving_compressed"] = passes["compressed"]
             sc = state_step_costs(passes, layout.top_k, len(layout.decode_layers))
+            if sc is not None and not graphs and served_tokens > 0:
+                # a run at capacity: half the experts whole, the misses evicted long before
+                cap = int(served_share * min(rt.cache.capacity_bytes(), layout.total_expert_full))
+                s_prompt, s_forced = forced_stream(tok, cfg, served_tokens)
+                served = served_pass(model, rt, s_prompt, s_forced, cap)
+                passes["served"] = {k: v for k, v in served.items() if k != "routing"}
+                fit = served_miss_scale(sc, served, rt)
+                if fit is not None:
+                    fit["passes_miss_s"] = float(sc["per_expert_s"]["none"])
+                    sc = scale_misses(sc, fit["scale"])
+                    sc["served_fit"] = fit
             if sc is not None:
                 out["step_costs"] = sc
         except Exception as exc:  # noqa: BLE001

@@ -249,6 +249,12 @@ class Planner:
                          + ", ".join(f"{s} {1e3 * a[s]:.3f}" for s in POOL_ORDER)
                          + ("; a layer whose experts are all full hits runs from its CUDA graph (adds 0)"
                             if self.step_costs.get("graphs") else ""))
+            fit = self.step_costs.get("served_fit")
+            if fit:
+                lines.append(f"a miss fitted to a served run at capacity ({fit['steps']} steps, half the experts whole): "
+                             f"{1e3 * fit['measured_step_s']:.1f} ms per step measured against "
+                             f"{1e3 * fit['model_step_s']:.1f} ms charged with the passes' "
+                             f"{1e3 * fit['passes_miss_s']:.3f} ms per miss, so misses cost {fit['scale']:.2f}x that")
             sb = self.layout.slot_bytes
             full = sb["full"]
             for pool in POOL_ORDER[1:-1]:

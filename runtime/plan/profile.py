@@ -91,8 +91,10 @@ __all__ = ["PROFILE_FORMAT", "machine_info", "machine_key", "default_profile_pat
 
 PROFILE_FORMAT = "zipmoe-profile/1"
 #: what a cached profile must have been measured by: 2 = the served passes teacher-force the
-#: corpus and measure every cache state (``step_costs``, 2 Dec 2026); older ones are measured again
-PROFILE_REVISION = 2
+#: corpus and measure every cache state (``step_costs``, 2 Dec 2026); 3 = without CUDA graphs the
+#: misses' costs are fitted to a served run at capacity (``step_costs["served_fit"]``, 5 Dec 2026);
+#: older ones are measured again
+PROFILE_REVISION = 3
 
 
 # ---------------------------------------------------------------------------------- identity
