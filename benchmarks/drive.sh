@@ -32,7 +32,7 @@
 # most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first).
 #
 # Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
-# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, DEVICE and
+# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), DEVICE and
 # the rest of the model stages' (above hl_env below); QWEN_STAGES (headline); DEMO_CPUS,
 # DEMO_BUDGETS, DEMO_SYNTH (demo-cpu); ZMOE, SOURCE (the demo's container and source folder:
 # out/demo.zmoe, out/demo), EXTRA (cpu-tables: more bench options); WORKERS (codecs).
@@ -243,7 +243,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     wait_bg  # the profile's passes time the GPU: nothing else on it
     # the profile, one calibration (its routing is also kept in the cache folder, so zipmoe-default
     # fits its plan at load from it), then one plan per budget judged by replaying that trace
-    stage qwen-plan 360 hl qwen-plan
+    stage qwen-plan "${PLAN_LIMIT:-360}" hl qwen-plan
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
             --time-limit 60 --json "$W/qwen.json" --merge --runs "$RUNS")
     # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
