@@ -80,9 +80,9 @@ def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_wh
     assert "fitted to a served run" not in text
     # a profile whose misses were fitted to a served run says so, with the arithmetic
     prof["step_costs"]["served_fit"] = {"scale": 1.6, "measured_step_s": 0.050, "model_step_s": 0.035,
-                                        "passes_miss_s": 0.0034, "steps": 64, "capacity": 1}
+                                        "passes_miss_s": 0.0034, "steps": 64, "capacity": 300 << 20}
     text = "\n".join(make_plan(layout, budget, stats, prof, workers=1)["explain"])
-    assert "a miss fitted to a served run at capacity (64 steps" in text
+    assert "a miss fitted to a served run at capacity (64 steps, 300 MiB of full tensors)" in text
     assert "50.0 ms per step measured against 35.0 ms charged with the passes' 3.400 ms per miss, so misses cost 1.60x" in text
 
 
@@ -291,7 +291,7 @@ def test_serving_passes_hold_each_state(container, device):
 
 
 def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_took(container, monkeypatch):
-    """Without graphs the profile serves the stream at capacity (half the experts whole, from an
+    """Without graphs the profile serves the stream at capacity (a quarter of the experts whole, from an
     empty cache) and scales the misses' costs so that the cost model, charged for that run's own
     routing (replayed: the run's hits), gives the run's measured mean step."""
     pytest.importorskip("zipmoe.runtime.engine.loader")
@@ -311,7 +311,7 @@ def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_too
     assert "serving_error" not in out, out.get("serving_error")
     served = out["states"]["served"]
     assert served["steps"] == 12 and "routing" not in served  # the profile keeps no routing
-    assert served["capacity"] == int(0.5 * layout.total_expert_full)
+    assert served["capacity"] == int(0.25 * layout.total_expert_full)
     assert served["hits"]["none"] > 0 and served["hits"]["full"] > 0  # at capacity: hits and misses
     sc, fit, before = out["step_costs"], out["step_costs"]["served_fit"], seen["sc"]
     assert len(seen["served"]["routing"]) == 13  # the prefill, then a step per token

@@ -20,7 +20,7 @@ runtime's counters:
 * ``none``: the cache emptied before every step: every chosen expert a miss (read, decompress,
   merge), with the runtime's prefetch setting (so with prefetch on these are prefetched misses);
 * ``served`` (without CUDA graphs): a run at capacity, from an empty cache whose full pool holds
-  half the experts, LFU evicting: the misses' costs are scaled so that the cost model charges
+  a quarter of the experts, LFU evicting: the misses' costs are scaled so that the cost model charges
   this run's own routing what it took (:func:`served_miss_scale`). The passes above drop experts
   read moments before; a run's misses are experts evicted long before, and on the CPU box they
   cost 1.4-2.0x more (docs/benchmarks.md §22e).
@@ -310,7 +310,7 @@ def miss_counts(k: int) -> list[int]:
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
                     miss_tokens: int = 8, load_options: dict | None = None, served_tokens: int = 64,
-                    served_share: float = 0.5) -> dict:
+                    served_share: float = 0.25) -> dict:
     """Serve the teacher-forced stream through the runtime, once per cache state, and read its counters.
 
     The budget holds every expert when that fits in a quarter of the free memory, else as much
@@ -384,7 +384,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             out["serving_compressed"] = passes["compressed"]
             sc = state_step_costs(passes, layout.top_k, len(layout.decode_layers))
             if sc is not None and not graphs and served_tokens > 0:
-                # a run at capacity: half the experts whole, the misses evicted long before
+                # a run at capacity: a quarter of the experts whole, the misses evicted long before
                 cap = int(served_share * min(rt.cache.capacity_bytes(), layout.total_expert_full))
                 s_prompt, s_forced = forced_stream(tok, cfg, served_tokens)
                 served = served_pass(model, rt, s_prompt, s_forced, cap)
