@@ -108,6 +108,23 @@ def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkey
     monkeypatch.setattr(planner, "PREFER_FULL_MARGIN", 0.99)  # nothing can be that much faster
     plan = planner.make_plan(layout, budget, stats, prof, workers=1)
     assert plan["slots"]["per_layer"]["compressed"] == 0 and plan["slots"]["per_layer"]["full"] > 0
+    # it says what it passed over: the best mix's figure against full tensors only, and the margin
+    full_s = plan["alternatives"]["full only"]["expected_tpot_s"]
+    line = next(x for x in plan["explain"] if x.startswith("the best mix found"))
+    assert "compressed" in line and "a mix must be 99% faster to be chosen" in line
+    mix_s = float(line.split("is predicted ")[1].split(" ms")[0]) / 1e3
+    assert mix_s < full_s  # faster, but not by the margin
+    ratio = float(line.split("(")[2].split("x full tensors only")[0])
+    assert ratio == pytest.approx(full_s / mix_s, rel=1e-2) and ratio > 1
+
+
+def test_no_passed_over_line_when_full_tensors_only_is_the_best_found():
+    from zipmoe.runtime.plan.planner import make_plan
+
+    layout, stats = _layout_and_stats(skew=0.2)
+    prof = _profile({"full": 0.0002, "compressed": 0.0045, "sm_only": 0.0050, "e_only": 0.0052, "none": 0.0055})
+    plan = make_plan(layout, layout.min_budget(1) + layout.total_expert_full // 3, stats, prof, workers=1)
+    assert not any(x.startswith("the best mix found") for x in plan["explain"])
 
 
 def test_part_slots_spend_every_pool_byte_and_mix_their_whole_slot_corners():

@@ -238,9 +238,12 @@ class Planner:
         per_layer, hits, _credit = self._evaluate(slots)
         return float(per_layer.sum()) + self.dense_for(hits)
 
-    def explain(self, chosen: dict[str, int], singles: dict) -> list[str]:
+    def explain(self, chosen: dict[str, int], singles: dict, passed_over: dict | None = None,
+                halves: list | None = None) -> list[str]:
         """The arithmetic behind the choice, one line each: what one chosen expert costs in each
-        state, what a slot of each pool holds, and the chosen plan against full tensors only."""
+        state, what a slot of each pool holds, the chosen plan against full tensors only and,
+        where full tensors only was kept over the best mix found (``passed_over``), that mix's
+        figure against it (``halves``: both on each half of the replayed prompts)."""
         lines = []
         if self.step_costs is not None:
             a = self.step_costs["per_expert_s"]
@@ -270,6 +273,14 @@ class Planner:
             t_full, t_best = self.judged_s(fo), self.judged_s(chosen)
             if dict(chosen) == dict(fo):
                 lines.append(f"full tensors only is the best plan found: {1e3 * t_full:.2f} ms per token predicted")
+                if passed_over:
+                    t_mix = self.judged_s(passed_over)
+                    mix = ", ".join(f"{p} {float(v):.2f}" for p, v in passed_over.items() if float(v) > 0)
+                    why = (f"; on the halves of the prompts {', '.join(f'{1e3 * a:.2f} against {1e3 * b:.2f}' for a, b in halves)}"
+                           if halves else "")
+                    lines.append(f"the best mix found (slots per layer: {mix}) is predicted {1e3 * t_mix:.2f} ms "
+                                 f"({t_full / max(1e-12, t_mix):.3f}x full tensors only{why}); a mix must be "
+                                 f"{100 * PREFER_FULL_MARGIN:.0f}% faster{' on each half' if halves else ''} to be chosen")
             else:
                 lines.append(f"predicted {1e3 * t_best:.2f} ms per token against {1e3 * t_full:.2f} ms with full tensors only "
                              f"({t_full / max(1e-12, t_best):.2f}x)")
@@ -348,10 +359,11 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
             shortlist.append(planner.spend_rest(s, per_layer))
         best = min(shortlist, key=planner.judged_s)
     full_only = singles.get("full")
-    halves = []
+    halves, passed_over = [], None
     if full_only is not None and best != full_only:
         ok, halves = planner.beats_full(best, full_only)
         if not ok:
+            passed_over = dict(best)  # the best mix found, kept for the explanation
             best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
     chosen = planner.describe(best)
     alternatives = {}
@@ -412,7 +424,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
                        "mixed_against_full_by_half_s": [[float(a), float(b)] for a, b in halves]}
                       if planner.replayer is not None else {})},
         "hit_model": chosen["hit_model"],
-        "explain": planner.explain(best, singles),
+        "explain": planner.explain(best, singles, passed_over, halves),
         "profile": prof_summary,
         "trace": stats.summary(),
     }
