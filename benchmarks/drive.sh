@@ -688,6 +688,7 @@ decode_attention() {  # decode_gpu.py on the fidelity model at chat's context (F
 
 before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before
     [ -d "$REPO/.before" ] || { echo "no .before/ in the checkout: the before/after stages are skipped"; return 0; }
+    local SITE=${SITE:-/tmp/site}  # the CPU box (a dry run) has none of its own
     x env PYTHONPATH="$SITE-build${PYTHONPATH:+:$PYTHONPATH}" python3 -m pip install -q --no-index --no-deps --no-build-isolation \
         --no-compile --no-cache-dir --upgrade --target "$SITE-before" "$REPO/.before"
     [ -n "$DRY" ] || (cd /tmp && PYTHONPATH="$SITE-before:$PYTHONPATH" python3 -c "import zipmoe; print('before: zipmoe from', zipmoe.__file__)")
