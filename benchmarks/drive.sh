@@ -32,7 +32,7 @@
 # most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first).
 #
 # Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
-# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), DEVICE and
+# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), CACHE_TIME_LIMIT (cache: s per run), DEVICE and
 # the rest of the model stages' (above hl_env below); QWEN_STAGES (headline); DEMO_CPUS,
 # DEMO_BUDGETS, DEMO_SYNTH (demo-cpu); ZMOE, SOURCE (the demo's container and source folder:
 # out/demo.zmoe, out/demo), EXTRA (cpu-tables: more bench options); WORKERS (codecs).
@@ -243,23 +243,28 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     wait_bg  # the profile's passes time the GPU: nothing else on it
     # the profile, one calibration (its routing is also kept in the cache folder, so zipmoe-default
     # fits its plan at load from it), then one plan per budget judged by replaying that trace
-    stage qwen-plan "${PLAN_LIMIT:-360}" hl qwen-plan
+    stage qwen-plan "${PLAN_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 600 || echo 360)}" hl qwen-plan  # 24 layers: 389 s on the H100 (§22g)
+    # each run stops after CACHE_TIME_LIMIT s (default 60 on 8 layers; 150 on the whole model, whose
+    # 8G step of ~0.6-0.75 s on the H100's 1.1-1.5 GB/s disk stopped 60 s runs at 69-113 of 128
+    # tokens, §22g); a bench stage allows each of its engines that and 45 s to load
+    local tl=${CACHE_TIME_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 150 || echo 60)} n
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
-            --time-limit 60 --json "$W/qwen.json" --merge --runs "$RUNS")
+            --time-limit "$tl" --json "$W/qwen.json" --merge --runs "$RUNS")
     # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
     # tensors only, the 60/40 split, the default plan; uncompressed at the largest budget
     for b in $BUDGETS; do
         engines=()
         for e in ${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}; do engines+=(--engine "$e"); done
         [ "${CACHE_UNC:-1}" != 0 ] && [ "$b" = "$last" ] && engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
-        stage "bench-$b" "${BENCH_LIMIT:-420}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
+        n=$(( ${#engines[@]} / 2 ))
+        stage "bench-$b" "${BENCH_LIMIT:-$(( n * (tl + 45) > 420 ? n * (tl + 45) : 420 ))}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
     done
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
     # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
     if [ "${CACHE_B4:-1}" != 0 ]; then
         for b in ${CACHE_B4_BUDGETS:-$last}; do
-            stage "bench-$b-b4" 300 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            stage "bench-$b-b4" $(( 2 * (tl + 45) > 300 ? 2 * (tl + 45) : 300 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-b4.json"
         done
@@ -267,16 +272,16 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # 512 new tokens: the plan and full tensors only (CACHE_LONG=1), at CACHE_LONG_BUDGETS (default the largest)
     if [ "${CACHE_LONG:-0}" != 0 ]; then
         for b in ${CACHE_LONG_BUDGETS:-$last}; do
-            stage "bench-$b-512" 240 zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            stage "bench-$b-512" $(( 2 * (2 * tl + 45) > 240 ? 2 * (2 * tl + 45) : 240 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
-                --time-limit 150 --json "$W/qwen-512.json"
+                --time-limit $(( 2 * tl > 150 ? 2 * tl : 150 )) --json "$W/qwen-512.json"
         done
     fi
     # a second round of the plan and full tensors only at the outer budgets, in the other order
     # (CACHE_ROUNDS=2): the run-to-run spread of this disk beside the differences measured
     if [ "${CACHE_ROUNDS:-1}" -ge 2 ]; then
         for b in ${BUDGETS%% *} $last; do
-            stage "bench-$b-r2" 300 zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe \
+            stage "bench-$b-r2" $(( 2 * (tl + 45) > 300 ? 2 * (tl + 45) : 300 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-r2.json"
         done
