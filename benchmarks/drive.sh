@@ -248,6 +248,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # 8G step of ~0.6-0.75 s on the H100's 1.1-1.5 GB/s disk stopped 60 s runs at 69-113 of 128
     # tokens, §22g); a bench stage allows each of its engines that and 45 s to load
     local tl=${CACHE_TIME_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 150 || echo 60)} n
+    cache_stage_limit() { local s=$(( $1 * ($2 + 45) )); echo $(( s > $3 ? s : $3 )); }  # ENGINES RUN_SECONDS FLOOR
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
             --time-limit "$tl" --json "$W/qwen.json" --merge --runs "$RUNS")
     # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
@@ -257,31 +258,32 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
         for e in ${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}; do engines+=(--engine "$e"); done
         [ "${CACHE_UNC:-1}" != 0 ] && [ "$b" = "$last" ] && engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
         n=$(( ${#engines[@]} / 2 ))
-        stage "bench-$b" "${BENCH_LIMIT:-$(( n * (tl + 45) > 420 ? n * (tl + 45) : 420 ))}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
+        stage "bench-$b" "${BENCH_LIMIT:-$(cache_stage_limit "$n" "$tl" 420)}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
     done
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
     # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
     if [ "${CACHE_B4:-1}" != 0 ]; then
         for b in ${CACHE_B4_BUDGETS:-$last}; do
-            stage "bench-$b-b4" $(( 2 * (tl + 45) > 300 ? 2 * (tl + 45) : 300 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            stage "bench-$b-b4" "$(cache_stage_limit 2 "$tl" 300)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-b4.json"
         done
     fi
     # 512 new tokens: the plan and full tensors only (CACHE_LONG=1), at CACHE_LONG_BUDGETS (default the largest)
     if [ "${CACHE_LONG:-0}" != 0 ]; then
+        local long=$(( 2 * tl > 150 ? 2 * tl : 150 ))  # s per 512-token run
         for b in ${CACHE_LONG_BUDGETS:-$last}; do
-            stage "bench-$b-512" $(( 2 * (2 * tl + 45) > 240 ? 2 * (2 * tl + 45) : 240 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            stage "bench-$b-512" "$(cache_stage_limit 2 "$long" 240)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
-                --time-limit $(( 2 * tl > 150 ? 2 * tl : 150 )) --json "$W/qwen-512.json"
+                --time-limit "$long" --json "$W/qwen-512.json"
         done
     fi
     # a second round of the plan and full tensors only at the outer budgets, in the other order
     # (CACHE_ROUNDS=2): the run-to-run spread of this disk beside the differences measured
     if [ "${CACHE_ROUNDS:-1}" -ge 2 ]; then
         for b in ${BUDGETS%% *} $last; do
-            stage "bench-$b-r2" $(( 2 * (tl + 45) > 300 ? 2 * (tl + 45) : 300 )) zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe \
+            stage "bench-$b-r2" "$(cache_stage_limit 2 "$tl" 300)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe-basic --engine zipmoe \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-r2.json"
         done
