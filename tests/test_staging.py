@@ -123,6 +123,55 @@ def test_forced_device_paths_with_a_small_ring_are_bit_identical(tmp_path_factor
     rt.close()
 
 
+def test_groups_are_staged_by_the_thread_that_finishes_them(tmp_path_factory, monkeypatch):
+    """The copy (and merge) of a finished group is queued by the reader or decode thread that
+    finished its last fetch, not by the serving thread (whose host work it was); a stage that
+    fails reaches the serving thread as that layer's error, and the pipeline stays usable."""
+    import threading
+
+    from zipmoe.errors import ServingError
+    from zipmoe.runtime.engine.device_side import DeviceSide
+    from zipmoe.runtime.engine.staging import StagingRing
+
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["min_budget"] + 4096, workers=2, prefetch=True)
+    rt = model.zipmoe
+    rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
+    serving = threading.current_thread()
+    where = []
+    orig = DeviceSide.stage
+
+    def stage(self, g):
+        if g.slot is not None:
+            where.append(threading.current_thread() is serving)
+        return orig(self, g)
+
+    monkeypatch.setattr(DeviceSide, "stage", stage)
+    ref = reference(src)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    batch = inputs(vocab, False, batch=2, seed=5)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    assert where and not any(where), f"{sum(where)} of {len(where)} groups staged on the serving thread"
+    assert rt.counters.time_s["stage"] > 0
+
+    def broken(self, g):
+        raise RuntimeError("copy engine on fire")
+
+    monkeypatch.setattr(DeviceSide, "stage", broken)
+    rt.cache.clear()
+    with torch.no_grad(), pytest.raises(ServingError, match="copy engine on fire"):
+        model(**batch)
+    monkeypatch.setattr(DeviceSide, "stage", orig)
+    rt.cache.clear()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    ring = rt.fetcher.device.copies.ring
+    assert len(ring.free) == ring.slots and rt._inflight == 0
+    rt.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staging_ring_is_pinned_and_counted(tmp_path_factory):

@@ -11,8 +11,10 @@ Staged (CUDA): a group (one expert's fetches) takes one slot of the pinned ring 
 issued and one device buffer its tensors are views of (:meth:`place`); the decode workers write
 the slot; once the group's last fetch has finished, :meth:`stage` queues one copy of the slot
 (and one Triton merge) on the copy stream (:class:`zipmoe.runtime.engine.staging.CopyStream`) and
-gives the slot back with the copy's event; before the expert computes, :meth:`to_device` makes
-the compute stream wait for that event (on the device, not the host).
+gives the slot back with the copy's event. :meth:`stage` runs on the reader or decode thread that
+finished the group's last fetch (``Fetcher._put_staged``), so the copy starts as soon as the bytes
+are whole and costs the serving thread nothing; before the expert computes, :meth:`to_device`
+makes the compute stream wait for that event (on the device, not the host).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class _Group:
     """The fetches of one expert: one window slot, its working bytes, done when all report."""
 
     __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
-                 "dropped", "released", "slot", "n", "dev", "event", "offs")
+                 "dropped", "released", "slot", "n", "dev", "event", "offs", "latch")
 
     def __init__(self, layer, expert, prefetch: bool) -> None:
         self.layer = layer
@@ -120,6 +120,9 @@ class _Group:
         self.dev = None
         self.event = None
         self.offs = ()  # each fetch's element offset in the buffers (device_side.place)
+        # staged: counts the group's fetches down on the threads that finish them (one more for
+        # the issue itself), so that whichever finishes last stages the group there
+        self.latch = None
 
 
 PREFETCH_RANK = 1 << 40  # added to a prefetch's ranks: after every demand job in the queues

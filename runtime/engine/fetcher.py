@@ -49,7 +49,8 @@ from collections import deque
 
 from zipmoe.errors import ContainerError, ServingError, ZipmoeError
 
-from zipmoe.runtime.engine.fetch import PREFETCH_RANK, _Cancelled, _Fetch, _Group, _reads_of, expert_type, issue_order
+from zipmoe.runtime.engine.fetch import (PREFETCH_RANK, _Cancelled, _Fetch, _Group, _Latch, _reads_of, expert_type,
+                                         issue_order)
 from zipmoe.runtime.engine.workers import _one_line
 
 __all__ = ["Fetcher"]
@@ -154,6 +155,27 @@ class Fetcher:
     def _put(self, f, exc) -> None:
         self._q.put((f, exc))
 
+    def _put_staged(self, f, exc) -> None:
+        """A fetch of a staged group finished (on the reader or decode thread that finished it):
+        the thread that finishes the group's last fetch queues its copy to the device (and the
+        device merge) right there, before it reports, so that the copy starts as soon as the
+        bytes are whole and the serving thread spends nothing on it (docs/runtime.md, "Host work
+        per fetched tensor"). A failed stage is that fetch's error."""
+        g = f.group
+        last, first = g.latch.count_down(exc)
+        if last and first is None:
+            try:
+                self._stage_done(g)
+            except BaseException as e:  # noqa: BLE001 - handed to the serving thread
+                exc = e
+        self._q.put((f, exc))
+
+    def _stage_done(self, g: _Group) -> None:
+        """Stage a group whose fetches all finished without error, unless it was dropped or
+        cancelled meanwhile (then nothing reads it: its slot goes back when it is released)."""
+        if not g.dropped and not any(x is not None and x.cancelled for x in g.fetches):
+            self.device.stage(g)
+
     def _decode_next(self, f, rank, need_e: bool, need_sm: bool) -> None:
         """A fetch's reads are in: queue its decode (every chunk read is verified before use)."""
         self.decoder.submit(f, rank, need_e, need_sm)
@@ -192,6 +214,11 @@ class Fetcher:
         g.reserved = need
         self._slots += 1
         self.device.place(g, fl)
+        staged = self.device.staged
+        if staged:
+            g.latch = _Latch(len(fl) + 1)  # + this issue: no fetch stages the group before all are queued
+            for f in fl:
+                f.done = self._put_staged
         for f in fl:
             r = rank[f.tensor.uid] + (PREFETCH_RANK if prefetch else 0)
             if f.state == "compressed":
@@ -200,6 +227,10 @@ class Fetcher:
                 self.reader.submit(r, f, self._decode_next)
             g.remaining += 1  # only once submitted: its report will come
             self._unreported += 1
+        if staged:
+            last, first = g.latch.count_down(None)
+            if last and first is None:  # every fetch finished while the others were queued
+                self._stage_done(g)
         return g
 
     def _report(self, f, exc, ready: deque) -> None:
@@ -214,7 +245,7 @@ class Fetcher:
             return
         if self.device.staged and not g.errors and not g.dropped and \
                 not any(x is not None and x.cancelled for x in g.fetches):
-            self.device.stage(g)  # its copy starts now, while the serving thread goes on
+            self.device.stage(g)  # (staged already by the thread that finished it: then nothing to do)
         if g.dropped:
             if g.errors:
                 self.counters.add_prefetch("failed")

@@ -7,10 +7,11 @@ bf16 bytes when the host merges), in one page-aligned host allocation registered
 (``cudaHostRegister``: page-locked, so the copies are truly asynchronous, and rounded to a page
 only; torch's pinned allocator rounds every block up to a power of two, which for a 17 MB
 expert is 32 MB). A group (one expert's fetches) takes a slot when it is issued; the decode
-workers write into it; once every fetch of the group has finished, :meth:`CopyStream.stage`
-queues, on the copy stream, one host-to-device copy of the slot and (device merge) one Triton
-merge launch over the whole expert, into one device buffer the expert's tensors are views of,
-and records an event. The slot goes back to the ring with that event: the host waits on it only
+workers write into it; once every fetch of the group has finished, the thread that finished
+the last one (a reader or decode thread, not the serving thread) calls
+:meth:`CopyStream.stage_new`, which queues, on the copy stream and under the stream's lock, one
+host-to-device copy of the slot and (device merge) one Triton merge launch over the whole
+expert, into one device buffer the expert's tensors are views of, and records an event. The slot goes back to the ring with that event: the host waits on it only
 when the ring comes round to that slot before the copy ran (counted: ``staging_waits``). The
 serving thread's compute stream waits on the group's event (a device-side wait, no host sync)
 before the expert computes. Nothing syncs per tensor.
@@ -22,6 +23,7 @@ plain host memory and synchronous copies.
 from __future__ import annotations
 
 import mmap
+import threading
 from collections import deque
 
 import numpy as np
@@ -99,7 +101,9 @@ class StagingRing:
         return self.host_np[lo : lo + nbytes]
 
     def release(self, i: int, event=None) -> None:
-        """Give slot ``i`` back; ``event``: the copy that reads it (None: nothing reads it)."""
+        """Give slot ``i`` back; ``event``: the copy that reads it (None: nothing reads it). Called
+        by the thread that stages (a reader or decode thread) while the serving thread acquires:
+        the event is in place before the slot is free."""
         self.events[i] = event
         self.free.append(i)
 
@@ -123,8 +127,11 @@ class CopyStream:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None
         # one device buffer the E and SM bytes land in before the merge: reused by every group,
-        # safe because every use is on the copy stream, in order
+        # safe because every use is on the copy stream, in order; the threads that stage (the
+        # reader and decode threads that finish a group) queue each copy and its merge under one
+        # lock, so that no other group's copy lands in it between the two
         self._dev_in = None
+        self._lock = threading.Lock()
 
     @property
     def dev_in_bytes(self) -> int:
@@ -153,7 +160,7 @@ class CopyStream:
             out = self.alloc_out(n)
             return out, self.stage(slot, n, out)
         host = self.ring.view(slot, 2 * n)
-        with torch.cuda.stream(self.stream):  # (also makes the stream's device the current one)
+        with self._lock, torch.cuda.stream(self.stream):  # (the stream's device becomes the current one)
             out = torch.empty(n, dtype=torch.bfloat16, device=self.device)
             if self.device_merge:
                 if self._dev_in is None or self._dev_in.numel() < 2 * n:
@@ -179,7 +186,7 @@ class CopyStream:
             else:
                 out.copy_(host.view(torch.bfloat16))
             return None
-        with torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.stream(self.stream):
             if self.device_merge:
                 if self._dev_in is None or self._dev_in.numel() < 2 * n:
                     self._dev_in = torch.empty(self.ring.slot_bytes, dtype=torch.uint8, device=self.device)
