@@ -184,6 +184,11 @@ def test_slot_map_follows_the_cache():
     put(0, 0, 3)
     put(0, 2, 2)
     put(1, 1, 2)
+    # admissions write the host maps only; the device maps follow at the next flush (one copy
+    # per map, before anything reads them: check() and the graphed sparse block flush first)
+    assert (slots.maps["gate_up"] == -1).all() and (slots.host["gate_up"] >= 0).sum() == 3
+    slots.flush()
+    assert np.array_equal(slots.maps["gate_up"].numpy(), slots.host["gate_up"]) and not slots._dirty
     slots.check()
     assert slots.all_slotted(0, [0, 2]) and slots.all_slotted(1, [1]) and not slots.all_slotted(0, [1])
     # the data the cache hands out is the slot itself
@@ -285,6 +290,7 @@ def test_sparse_graph_bodies_compute_the_eager_experts(tmp_path_factory, monkeyp
                 want = zipmoe_experts_forward(mod, hidden, ids, weights)
                 sp = graphs._Sparse(mod, hidden, ids, weights, torch.zeros_like(hidden))
                 if batch == 1:
+                    rt.slots.flush()  # as _sparse_step does before every replay of this body
                     step._sparse_graph_body(sp)
                 else:
                     grouped = graphs._Grouped(step, sp)

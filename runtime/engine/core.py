@@ -431,6 +431,8 @@ class Runtime:
                     n += 1
             if stop:
                 break
+        if self.slots is not None:
+            self.slots.flush()  # the device maps as the warm start left them
         self.counters.note_held(self.held_bytes())
         return n
 

@@ -456,6 +456,7 @@ class GraphedStep:
         if sp.graph is not None:
             t0 = time.perf_counter()
             self._routing_to_host(sp)
+            self.slots.flush()  # the device maps the graph gathers by (admissions change the host's)
             sp.graph.replay()  # speculative: every routed expert resident
             self._event.synchronize()
             experts = sorted(set(self._ids_host[0].tolist()))

@@ -128,6 +128,7 @@ class SlotMap:
         self.host = {u: np.full((len(self.layers), self.num_experts), -1, dtype=np.int64) for u in self.units}
         self.maps = {u: torch.full((len(self.layers), self.num_experts), -1, dtype=torch.int64, device=self.device)
                      for u in self.units}
+        self._dirty: set = set()  # units whose device map lags the host map (flush())
         self.slot_of: dict[int, int] = {}  # uid -> slot (slotted tensors only)
         self.loose_bytes = 0  # full-pool tensors that found no slot
         self.cache = None
@@ -174,9 +175,8 @@ class SlotMap:
             view.copy_(data)
         arena.owner[slot] = uid
         self.slot_of[uid] = slot
-        r = self.row[layer]
-        self.host[unit][r, expert] = slot
-        self.maps[unit][r, expert] = slot  # stream-ordered: graphs launched later see it
+        self.host[unit][self.row[layer], expert] = slot
+        self._dirty.add(unit)  # the device map follows at the next flush()
         return view
 
     def release(self, uid: int, data) -> None:
@@ -189,9 +189,22 @@ class SlotMap:
         arena = self.arenas[key]
         del arena.owner[slot]
         arena.free.append(slot)
-        r = self.row[layer]
-        self.host[unit][r, expert] = -1
-        self.maps[unit][r, expert] = -1
+        self.host[unit][self.row[layer], expert] = -1
+        self._dirty.add(unit)
+
+    def flush(self) -> None:
+        """Bring the device maps up to the host maps: one small copy per map that changed, on the
+        current stream (so every graph launched after it sees the slots; a graph reads the
+        device maps). Admissions and evictions change only the host maps: a scalar write to a
+        device map per admission was two launches per fetched tensor on the serving thread.
+        Every reader of the device maps calls this first (the graphed sparse block before its
+        replay, :meth:`layer_views`, :meth:`check`)."""
+        if not self._dirty:
+            return
+        for u in self._dirty:
+            # a pageable source: CUDA copies it out before returning, so the host map may change at once
+            self.maps[u].copy_(torch.from_numpy(self.host[u]), non_blocking=True)
+        self._dirty.clear()
 
     def _victim(self, arena: SlotArena, uid: int):
         return slot_victim(self.cache, arena.owner.values(), uid)
@@ -213,6 +226,7 @@ class SlotMap:
         A view of the arena when the layer's experts sit in consecutive slots in expert order
         (what a warm start in (layer, expert) order gives), else a gathered copy. Every expert
         must be slotted (RuntimeError otherwise)."""
+        self.flush()
         r = self.row[layer]
         out = []
         for unit in ("gate_up", "down"):
@@ -229,6 +243,7 @@ class SlotMap:
 
     def check(self) -> None:
         """Consistency of the maps, the arenas and the cache (for tests)."""
+        self.flush()
         for uid, slot in self.slot_of.items():
             layer, expert, unit, key = self.meta[uid]
             arena = self.arenas[key]
