@@ -65,7 +65,7 @@ decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCH
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); gpu-tests (§22, §22c, §22d: about 20 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -240,7 +240,11 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     stage qwen-pack 200 hl qwen-pack
     [ "${CACHE_UNC:-1}" != 0 ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
     stage qwen-rmsrc 60 hl qwen-rmsrc
+    stage before-install 120 before_install
     wait_bg  # the profile's passes time the GPU: nothing else on it
+    # the serving thread's host work per fetched tensor, the code in .before/ and this code alternating
+    # (benchmarks/profile_fetch.py: every chosen tensor a compressed hit, then every one a miss)
+    [ "${CACHE_HOST_AB:-1}" != 0 ] && stage host-ab 240 host_ab
     # the profile, one calibration (its routing is also kept in the cache folder, so zipmoe-default
     # fits its plan at load from it), then one plan per budget judged by replaying that trace
     stage qwen-plan "${PLAN_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 600 || echo 360)}" hl qwen-plan  # 24 layers: 389 s on the H100 (§22g)
@@ -691,6 +695,14 @@ decode_attention() {  # decode_gpu.py on the fidelity model at chat's context (F
             --skip 3 --compare 12 --profile-tokens 0 --engines zipmoe-graphed,zipmoe-eager,hf-eager --attention "$a" \
             --json "$RUN/fidelity/decode-$a-$((++n)).json"
     done
+}
+
+host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and after, alternating, on CUDA
+    [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+    x cd /tmp
+    x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 \
+        --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8 --repeat 3 --rounds "${HOST_AB_ROUNDS:-2}" \
+        --compare-with "$SITE-before" --json "$WORK/host-ab.json"
 }
 
 before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before

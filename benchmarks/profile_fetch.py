@@ -213,9 +213,16 @@ def measure(a) -> dict:
     CPU.install()
     req = requirements(path, workers=a.workers, device=device)
     budget = req["budget_for"](1.0)
+    extra = {"slots": True} if a.staged and not device.startswith("cuda") else {}  # the full pool in device slots, as on CUDA
     model, _ = zipmoe.load(path, budget=budget, device=device, workers=a.workers, threads=a.threads,
-                           prefetch=False)
+                           prefetch=False, **extra)
     rt = model.zipmoe
+    if a.staged and not device.startswith("cuda"):
+        # the CUDA layout on the CPU (as tests/test_staging.py forces it): the staging ring, the
+        # group's one buffer, the merge at stage time (synchronous here)
+        from zipmoe.runtime.engine.staging import StagingRing
+
+        rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
     loop = DecodeLoop(model, context=a.steps + 8, graphs="off")
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(0, model.config.vocab_size, (a.steps + 1,), generator=g)
@@ -348,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--staged", action="store_true", help="on the CPU: the staging ring, the device merge and the full pool's slots as on CUDA")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quiet", action="store_true")
