@@ -204,6 +204,40 @@ def test_precision_and_recall_are_counted_per_layer(tmp_path_factory):
         rt.close()
 
 
+def test_host_counter_leaves_out_compute_waits_and_the_predictor(tmp_path_factory, monkeypatch):
+    """``time_s["host"]`` is each layer's wall time in ``Fetcher.run`` less its compute, its waits
+    (the layer's fetches and the dropped prefetches drained at the end of a step) and the
+    predictor's forward, which has a stage of its own (``predict``)."""
+    import time
+
+    from zipmoe.runtime.engine.fetcher import Fetcher
+
+    src, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, prefetch=True)
+    rt = model.zipmoe
+    wall = [0.0]
+    orig = Fetcher.run
+
+    def run(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, *a, **k)
+        finally:
+            wall[0] += time.perf_counter() - t0
+
+    monkeypatch.setattr(Fetcher, "run", run)
+    try:
+        with torch.no_grad():
+            model(**inputs(_vocab(src), False, batch=1, seed=4))
+        ts = rt.counters.snapshot()["time_s"]
+        assert ts["predict"] > 0 and ts["wait"] > 0
+        rest = wall[0] - ts["compute"] - ts["wait"] - ts["predict"]
+        assert 0 < ts["host"] <= rest + 1e-6 and ts["host"] >= rest - 0.05 * wall[0]
+    finally:
+        rt.close()
+
+
 def test_prefetch_is_off_by_default_on_the_cpu(tmp_path_factory):
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=2)

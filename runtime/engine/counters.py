@@ -59,7 +59,7 @@ from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
-STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "host")
+STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "predict", "host")
 
 
 class Counters:

@@ -125,7 +125,7 @@ class Fetcher:
         cache = self.cache
         ts = self.counters.time_s
         start = time.perf_counter()
-        busy = ts["compute"] + ts["wait"]  # (only this thread adds to these two)
+        busy = ts["compute"] + ts["wait"] + ts["predict"]  # (only this thread adds to these three)
         try:
             tensors, states = self.lookup(layer, experts)
             if predict is None and not self._pf and not self._pf_pending and \
@@ -139,8 +139,11 @@ class Fetcher:
                 self._run(layer, experts, tensors, states, compute, predict)
         finally:
             cache.unpin_all()
-            # the serving thread's own work in this layer: all of it but compute and waits
-            self.counters.add_time("host", max(0.0, time.perf_counter() - start - (ts["compute"] + ts["wait"] - busy)))
+            # the serving thread's own work in this layer: all of it but compute, waits (for the
+            # layer's fetches, and for dropped prefetches at the end of a step) and the predictor's
+            # forward (the next layer's router on the GPU, read back to the host)
+            self.counters.add_time("host", max(0.0, time.perf_counter() - start -
+                                               (ts["compute"] + ts["wait"] + ts["predict"] - busy)))
 
     def fetch_whole(self, layer, expert) -> list:
         """The compute tensors of one expert, made whole through the pipeline without counting a
@@ -346,7 +349,9 @@ class Fetcher:
         try:
             fill()
             if predict is not None:
+                t0 = time.perf_counter()
                 nxt, guess = predict()
+                counters.add_time("predict", time.perf_counter() - t0)
                 if nxt is not None:
                     self._predicted[nxt] = list(guess)
                     self._plan_prefetch(nxt, guess)
@@ -388,7 +393,9 @@ class Fetcher:
                 # nothing prefetched for the next layer (the last sparse layer, or prefetch
                 # off): wait for the dropped prefetches still running, so that nothing is held
                 # between forward steps
+                t0 = time.perf_counter()
                 self._drain(ready)
+                counters.add_time("wait", time.perf_counter() - t0)
         except BaseException:
             # Ctrl-C (or an error in compute), wherever it lands in the layer (also while the
             # window fills or a fully cached expert computes): let every submitted fetch finish,
