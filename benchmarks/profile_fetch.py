@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/profile_fetch.py [--work /tmp/pf] [--preset small] [--layers N]
         [--experts N] [--device cpu|cuda] [--workers 1] [--threads 1] [--steps 8] [--repeat 3]
-        [--profile] [--json FILE]
+        [--staged] [--profile] [--json FILE]
     .venv/bin/python benchmarks/profile_fetch.py --compare-with /tmp/zmoe_before/site --rounds 3 [--after-path DIR] [...]
 
 Builds (once, in ``--work``) a synthetic qwen2_moe checkpoint (``--preset``, fused layout; with
@@ -34,6 +34,10 @@ Per fetched tensor (a compute tensor that was not a full-pool hit), from the run
 * ``host_cpu``: the serving thread's CPU time in ``Fetcher.run`` minus its CPU time in the
   compute (``time.thread_time``: waits for the GIL, a core or the pipeline cost nothing but the
   wake-ups; the steadiest figure on a shared machine).
+
+``--staged`` (CPU only): the CUDA layout forced on the CPU, as tests/test_staging.py does: the
+staging ring, the device merge at stage time and the full pool's slots, so that the serving
+thread's share of them can be measured without a GPU.
 
 ``--profile``: one more sweep of each pass under cProfile and the top functions by self time
 (below Python 3.12 cProfile follows the thread that enables it, the serving thread; from 3.12 on
