@@ -237,3 +237,15 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
         # the replay of the run's routing accounts for every use the counters saw
         assert sum(r["model_tensor_hits"].values()) == sum(r["counters"]["hits"].values())
     assert "predicted against measured" in err.out and "replay" in err.out
+    # batch 2: the plan's batch-1 prediction is not set against a batch-2 step
+    out2 = tmp_path / "out2.json"
+    i = argv.index("zipmoe-basic")
+    argv2 = argv[:i - 1] + argv[i + 1:]  # the plan's engine only
+    argv2[argv2.index("--batch") + 1] = "2"
+    argv2[argv2.index("--json") + 1] = str(out2)
+    with pytest.raises(SystemExit) as exc:
+        main(argv2)
+    err = capsys.readouterr()
+    assert exc.value.code == 0, err.err[-2000:]
+    run = json.loads(out2.read_text())["results"][0]["runs"][0]
+    assert run["batch"] == 2 and "predicted_tpot_s" not in run and "predicts batch 1" in run["prediction_note"]

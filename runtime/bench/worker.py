@@ -379,7 +379,7 @@ class RunDiagnostics:
         if self.note:
             out["diagnostics_note"] = self.note
         if spec is not None:
-            out.update(predictions(self.rt, spec, steps if batch == 1 else None, list(_ROUTING)))
+            out.update(predictions(self.rt, spec, steps if batch == 1 else None, list(_ROUTING), batch=batch))
         from zipmoe.runtime.plan.replay import layer_calls_from_steps
 
         _ROUTING.extend(layer_calls_from_steps(steps or []))  # what the next run's cache starts from
@@ -391,15 +391,19 @@ class RunDiagnostics:
 _ROUTING: list = []
 
 
-def predictions(runtime, spec: dict, steps, before: list | None = None) -> dict:
+def predictions(runtime, spec: dict, steps, before: list | None = None, batch: int = 1) -> dict:
     """What the planner said of this run beforehand and what its cost model says of it after:
     ``predicted_tpot_s`` (and ``predicted_hits``), the prediction of the plan the engine loaded
     (``--plan``'s, for zipmoe-basic its ``full only`` alternative, zipmoe-default's fitted one);
     ``model_tpot_s``, ``model_hits``: the profile's served state costs charged for this run's own
     routing replayed through a cache with its pools (runtime/plan/replay.py ``model_run``; batch
     1), after ``before`` (the layer calls earlier runs of this process served: the cache the run
-    started with). Nothing where there is no plan, profile or routing; never fails the run."""
+    started with). Nothing where there is no plan, profile or routing; never fails the run.
+    The planner predicts one row's step: at ``batch`` > 1 there is no prediction to compare
+    (a note says so), rather than a batch-1 figure set against a batch-``batch`` step."""
     out: dict = {}
+    if int(batch) != 1:
+        return {"prediction_note": f"the plan predicts batch 1 (one row per step); this run has batch {int(batch)}"}
     try:
         plan = (getattr(runtime, "plan", None) or {}).get("raw") or {}
         if spec.get("engine") == "zipmoe-basic" and spec.get("plan"):
