@@ -379,7 +379,7 @@ class RunDiagnostics:
         if self.note:
             out["diagnostics_note"] = self.note
         if spec is not None:
-            out.update(predictions(self.rt, spec, steps if batch == 1 else None, list(_ROUTING), batch=batch))
+            out.update(predictions(self.rt, spec, steps, list(_ROUTING), batch=batch))
         from zipmoe.runtime.plan.replay import layer_calls_from_steps
 
         _ROUTING.extend(layer_calls_from_steps(steps or []))  # what the next run's cache starts from

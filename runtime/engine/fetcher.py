@@ -188,6 +188,8 @@ class Fetcher:
         window slot). The group is in ``into[key]`` before it holds anything, so that an
         interruption while it is queued still finds (and releases) it."""
         cache = self.cache
+        staged = self.device.staged
+        done = self._put_staged if staged else self._put
         g = _Group(layer, e, prefetch)
         g.states = list(sts)
         need = 0
@@ -208,7 +210,7 @@ class Fetcher:
             need += self.working.bytes_of(t)
             if any(_reads_of(st)):
                 self.reader.prepare(f)
-            f.done = self._put
+            f.done = done
             g.fetches.append(f)
         into[key] = g
         fl = [f for f in g.fetches if f is not None]
@@ -217,11 +219,8 @@ class Fetcher:
         g.reserved = need
         self._slots += 1
         self.device.place(g, fl)
-        staged = self.device.staged
         if staged:
             g.latch = _Latch(len(fl) + 1)  # + this issue: no fetch stages the group before all are queued
-            for f in fl:
-                f.done = self._put_staged
         for f in fl:
             r = rank[f.tensor.uid] + (PREFETCH_RANK if prefetch else 0)
             if f.state == "compressed":
@@ -246,9 +245,8 @@ class Fetcher:
             g.errors.append(exc)
         if g.remaining:
             return
-        if self.device.staged and not g.errors and not g.dropped and \
-                not any(x is not None and x.cancelled for x in g.fetches):
-            self.device.stage(g)  # (staged already by the thread that finished it: then nothing to do)
+        if self.device.staged and not g.errors:
+            self._stage_done(g)  # (staged already by the thread that finished it: then nothing to do)
         if g.dropped:
             if g.errors:
                 self.counters.add_prefetch("failed")
