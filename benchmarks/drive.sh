@@ -32,7 +32,8 @@
 # most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first).
 #
 # Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
-# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), CACHE_TIME_LIMIT (cache: s per run), DEVICE and
+# bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), CACHE_TIME_LIMIT (cache: s per run), CACHE_ENGINES
+# and CACHE_ENGINES_<budget> (cache: the engines at every / one budget, e.g. CACHE_ENGINES_8G), DEVICE and
 # the rest of the model stages' (above hl_env below); QWEN_STAGES (headline); DEMO_CPUS,
 # DEMO_BUDGETS, DEMO_SYNTH (demo-cpu); ZMOE, SOURCE (the demo's container and source folder:
 # out/demo.zmoe, out/demo), EXTRA (cpu-tables: more bench options); WORKERS (codecs).
@@ -259,7 +260,8 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # tensors only, the 60/40 split, the default plan; uncompressed at the largest budget
     for b in $BUDGETS; do
         engines=()
-        for e in ${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}; do engines+=(--engine "$e"); done
+        local per=CACHE_ENGINES_${b//./_}  # CACHE_ENGINES_8G="...": that budget's engines (a sitting too short for all)
+        for e in ${!per:-${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}}; do engines+=(--engine "$e"); done
         [ "${CACHE_UNC:-1}" != 0 ] && [ "$b" = "$last" ] && engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
         n=$(( ${#engines[@]} / 2 ))
         stage "bench-$b" "${BENCH_LIMIT:-$(cache_stage_limit "$n" "$tl" 420)}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
@@ -274,11 +276,12 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-b4.json"
         done
     fi
-    # 512 new tokens: the plan and full tensors only (CACHE_LONG=1), at CACHE_LONG_BUDGETS (default the largest)
+    # 512 new tokens: the plan and full tensors only (CACHE_LONG=1; CACHE_LONG_ENGINES), at CACHE_LONG_BUDGETS (default the largest)
     if [ "${CACHE_LONG:-0}" != 0 ]; then
         local long=$(( 2 * tl > 150 ? 2 * tl : 150 ))  # s per 512-token run
+        engines=(); for e in ${CACHE_LONG_ENGINES:-zipmoe zipmoe-basic}; do engines+=(--engine "$e"); done
         for b in ${CACHE_LONG_BUDGETS:-$last}; do
-            stage "bench-$b-512" "$(cache_stage_limit 2 "$long" 240)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            stage "bench-$b-512" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$long" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \
                 --time-limit "$long" --json "$W/qwen-512.json"
         done

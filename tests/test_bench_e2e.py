@@ -223,7 +223,7 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     out = tmp_path / "out.json"
     argv = ["bench", str(zm), "--engine", "zipmoe", "--engine", "zipmoe-basic", "--plan", str(plan), "--profile", str(pf),
             "--budget", "2M", "--batch", "1", "--new-tokens", "6", "--runs", "1", "--cold", "--cold-method", "fadvise",
-            "--device", "cpu", "--threads", "1", "--json", str(out), "--workload", "corpus"]
+            "--device", "cpu", "--threads", "1", "--json", str(out), "--workload", "corpus", "--work-dir", str(tmp_path / "w")]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr()
@@ -249,3 +249,9 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     assert exc.value.code == 0, err.err[-2000:]
     run = json.loads(out2.read_text())["results"][0]["runs"][0]
     assert run["batch"] == 2 and "predicted_tpot_s" not in run and "predicts batch 1" in run["prediction_note"]
+    # the same engine and budget at another batch in the same work dir keeps the first bench's runs file
+    files = sorted(p.name for p in (tmp_path / "w").glob("runs-zipmoe-*.jsonl"))
+    assert files == ["runs-zipmoe-2097152-b1-n6.jsonl", "runs-zipmoe-2097152-b2-n6.jsonl",
+                     "runs-zipmoe-basic-2097152-b1-n6.jsonl"], files
+    first = [json.loads(x) for x in (tmp_path / "w" / files[0]).read_text().splitlines() if x.strip()]
+    assert first and all(r["batch"] == 1 for r in first)

@@ -513,6 +513,9 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         ballast = Ballast(cfg.pressure, log).__enter__()
         doc["pressure"] = ballast.record
     _write_json(cfg.json_path, finalize(doc))
+    # the runs file of an engine and budget is named by its cases too: a later bench of the same
+    # engine and budget with another batch or length (a batch-4 stage after batch 1) keeps the first's
+    case_tag = "_".join(c["id"] for c in cases) or "none"
     try:
         for eng, budget in pairs:
             label = f"{eng}" + (f" @ {format_size(budget)}" if budget else "")
@@ -524,7 +527,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
                 "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
-                "result_path": str(work / f"runs-{eng}-{budget}.jsonl"),
+                "result_path": str(work / f"runs-{eng}-{budget}-{case_tag}.jsonl"),
                 "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
                 "context": cfg.context or run_context(cases),
                 "readers": cfg.readers, "prefetch": cfg.prefetch,
