@@ -29,7 +29,8 @@
 # AB_BENCH=0 and DECODE=0 skip what they skipped before).
 #
 # Disk (the GPU box has 64 GB): qwen's synth folder (26.7 GiB) and raw container (26.7 GiB) at
-# most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first).
+# most at once, 53.4 GiB; never synth + raw + zstd (the suites delete the raw container first, or
+# the cache suite's CACHE_UNC=late the zstd container).
 #
 # Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
 # bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), CACHE_TIME_LIMIT (cache: s per run), CACHE_ENGINES
@@ -66,7 +67,7 @@ decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCH
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not; CACHE_UNC=late: after every zstd run, from a second synth, at CACHE_UNC_BUDGETS, for the whole model), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS, CACHE_B4_ENGINES; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -239,9 +240,10 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     bg_stage gpu-tests "${GPU_TESTS_LIMIT:-300}" gpu_tests
     stage qwen-synth 200 hl qwen-synth
     stage qwen-pack 200 hl qwen-pack
-    [ "${CACHE_UNC:-1}" != 0 ] && stage qwen-raw 200 hl qwen-raw  # the `uncompressed` engine's codec-raw container
+    # the `uncompressed` engine's codec-raw container (CACHE_UNC=late: after the zstd container's runs, below)
+    [ "${CACHE_UNC:-1}" != 0 ] && [ "${CACHE_UNC:-1}" != late ] && stage qwen-raw 200 hl qwen-raw
     stage qwen-rmsrc 60 hl qwen-rmsrc
-    stage before-install 120 before_install
+    [ "${CACHE_HOST_AB:-1}" != 0 ] && stage before-install 120 before_install
     wait_bg  # the profile's passes time the GPU: nothing else on it
     # the serving thread's host work per fetched tensor, the code in .before/ and this code alternating
     # (benchmarks/profile_fetch.py: every chosen tensor a compressed hit, then every one a miss)
@@ -262,7 +264,8 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
         engines=()
         local per=CACHE_ENGINES_${b//./_}  # CACHE_ENGINES_8G="...": that budget's engines (a sitting too short for all)
         for e in ${!per:-${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}}; do engines+=(--engine "$e"); done
-        [ "${CACHE_UNC:-1}" != 0 ] && [ "$b" = "$last" ] && engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
+        [ "${CACHE_UNC:-1}" != 0 ] && [ "${CACHE_UNC:-1}" != late ] && [ "$b" = "$last" ] && \
+            engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
         n=$(( ${#engines[@]} / 2 ))
         stage "bench-$b" "${BENCH_LIMIT:-$(cache_stage_limit "$n" "$tl" 420)}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA
@@ -271,7 +274,8 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
     if [ "${CACHE_B4:-1}" != 0 ]; then
         for b in ${CACHE_B4_BUDGETS:-$last}; do
-            stage "bench-$b-b4" "$(cache_stage_limit 2 "$tl" 300)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe --engine zipmoe-basic \
+            engines=(); for e in ${CACHE_B4_ENGINES:-zipmoe zipmoe-basic}; do engines+=(--engine "$e"); done
+            stage "bench-$b-b4" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$tl" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-b4.json"
         done
@@ -295,7 +299,23 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-r2.json"
         done
     fi
-    stage qwen-report-more 60 sh -c "for f in '$W/qwen-b4.json' '$W/qwen-512.json' '$W/qwen-r2.json'; do [ -e \"\$f\" ] && zipmoe bench --report \"\$f\"; done; true"
+    # CACHE_UNC=late (the whole model: its source, zstd and raw containers do not fit the box's 64 GB
+    # together): the zstd container goes, the source is made again (synth is seeded: the same bytes),
+    # packed raw and deleted, and `uncompressed` runs on the raw container at CACHE_UNC_BUDGETS
+    # (default the largest) on the same token stream, into its own JSON; nothing runs on qwen.zmoe after
+    if [ "${CACHE_UNC:-1}" = late ]; then
+        stage qwen-rmzstd 60 rm -f "$W/qwen.zmoe"
+        stage qwen-synth-again 200 hl qwen-synth
+        stage qwen-raw 200 hl qwen-raw
+        stage qwen-rmsrc-again 60 hl qwen-rmsrc
+        for b in ${CACHE_UNC_BUDGETS:-$last}; do
+            stage "bench-$b-unc" "$(cache_stage_limit 1 "$tl" 240)" zipmoe bench "$W/qwen-raw.zmoe" --engine uncompressed \
+                --raw-container "$W/qwen-raw.zmoe" --budget "$b" --batch 1 --new-tokens "$TOKENS" --workload corpus --cold \
+                --device "${DEVICE:-cuda}" --work-dir "$W/qwen-work" --time-limit "$tl" --runs "$RUNS" $BENCH_EXTRA \
+                --json "$W/qwen-unc.json" --merge
+        done
+    fi
+    stage qwen-report-more 60 sh -c "for f in '$W/qwen-b4.json' '$W/qwen-512.json' '$W/qwen-r2.json' '$W/qwen-unc.json'; do [ -e \"\$f\" ] && zipmoe bench --report \"\$f\"; done; true"
 }
 
 suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G

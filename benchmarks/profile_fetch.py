@@ -198,7 +198,7 @@ CPU = _ThreadCPU()
 
 def _top(prof, n: int = 25) -> str:
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    pstats.Stats(prof, stream=s).sort_stats(os.environ.get("PF_SORT", "tottime")).print_stats(n)
     return s.getvalue()
 
 
