@@ -255,3 +255,6 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
                      "runs-zipmoe-basic-2097152-b1-n6.jsonl"], files
     first = [json.loads(x) for x in (tmp_path / "w" / files[0]).read_text().splitlines() if x.strip()]
     assert first and all(r["batch"] == 1 for r in first)
+    # and its worker log (on 6 Dec a batch-4 run killed by its cgroup lost its log to a later case's)
+    logs = sorted(p.name for p in (tmp_path / "w").glob("worker-zipmoe-2097152-*.log"))
+    assert logs == ["worker-zipmoe-2097152-b1-n6.log", "worker-zipmoe-2097152-b2-n6.log"], logs

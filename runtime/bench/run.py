@@ -541,7 +541,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
 
             limit = budget + START_ALLOWANCE + slack + kv_allowance(spec) if (support.usable and budget is not None) else None
             spec["cgroup_margin"] = slack
-            res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}.log",
+            res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}-{case_tag}.log",
                              (lambda: prog.advance()) if prog else (lambda: None), timeout_s=cfg.engine_timeout_s)
             res["cgroup_limit_bytes"] = limit
             # an earlier result for the same engine/budget (a re-run with --merge): its runs of the
