@@ -236,6 +236,8 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
         assert r["model_tpot_s"] >= 0.004 and sum(r["model_hits"].values()) == pytest.approx(2)
         # the replay of the run's routing accounts for every use the counters saw
         assert sum(r["model_tensor_hits"].values()) == sum(r["counters"]["hits"].values())
+        # the process's RSS sampled through the run: the first token, then every RSS_EVERY (16)
+        assert [s[0] for s in r["rss_by_token"]] == [1] and r["rss_by_token"][0][1] > 0 and r["rss_by_token"][0][2] is None
     assert "predicted against measured" in err.out and "replay" in err.out
     # batch 2: the plan's batch-1 prediction is not set against a batch-2 step
     out2 = tmp_path / "out2.json"

@@ -454,6 +454,9 @@ def capacity_in_experts(runtime) -> tuple[int | None, bool]:
         return None, False
 
 
+RSS_EVERY = 16  # tokens between two samples of ``rss_by_token``
+
+
 def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler, cold_mode: str | None) -> dict:
     """One measured generation; returns its record."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -479,11 +482,18 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         first["counters"] = snapshot_counters(runtime)
 
     holder: dict = {}  # the run's RunDiagnostics, once the loop is made
+    # the process's RSS (and on CUDA the allocator's bytes) every RSS_EVERY tokens: whether the
+    # host memory grows through a run (docs/benchmarks.md §22k: a mixed plan's did on the H100)
+    rss_trace: list = []
+    cuda = device == "cuda"
 
     def on_each():
         d = holder.get("diag")
         if d is not None:
             d.on_token()
+        k = holder["tokens"] = holder.get("tokens", 0) + 1
+        if k % RSS_EVERY == 1:
+            rss_trace.append([k, rss_bytes(), int(torch.cuda.memory_allocated()) if cuda else None])
 
     streamer, limit = _make_streamer_and_stop(torch, device, spec.get("time_limit_s"), int(spec.get("min_tokens", 2)), on_first_token,
                                               on_each=on_each)
@@ -565,6 +575,7 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         "bytes_read_io": io1 - io0,
         "decode_bytes_read_io": (io1 - first["io"]) if "io" in first else None,
         "peak_rss_run_bytes": sampler.window_peak,
+        "rss_by_token": rss_trace,
         "cold_mode": cold_mode,
         "tokens": gen,
         "decode_loop": loop is not None,
