@@ -256,14 +256,14 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # tokens, §22g); a bench stage allows each of its engines that and 45 s to load
     local tl=${CACHE_TIME_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 150 || echo 60)} n
     cache_stage_limit() { local s=$(( $1 * ($2 + 45) )); echo $(( s > $3 ? s : $3 )); }  # ENGINES RUN_SECONDS FLOOR
+    engines_of() { engines=(); local e; for e in $1; do engines+=(--engine "$e"); done; }  # "NAME ..." -> engines=(--engine NAME ...)
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
             --time-limit "$tl" --json "$W/qwen.json" --merge --runs "$RUNS")
     # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
     # tensors only, the 60/40 split, the default plan; uncompressed at the largest budget
     for b in $BUDGETS; do
-        engines=()
         local per=CACHE_ENGINES_${b//./_}  # CACHE_ENGINES_8G="...": that budget's engines (a sitting too short for all)
-        for e in ${!per:-${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}}; do engines+=(--engine "$e"); done
+        engines_of "${!per:-${CACHE_ENGINES:-zipmoe zipmoe-basic zipmoe-pools zipmoe-default}}"
         [ "${CACHE_UNC:-1}" != 0 ] && [ "${CACHE_UNC:-1}" != late ] && [ "$b" = "$last" ] && \
             engines+=(--engine uncompressed --raw-container "$W/qwen-raw.zmoe")
         n=$(( ${#engines[@]} / 2 ))
@@ -274,7 +274,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
     if [ "${CACHE_B4:-1}" != 0 ]; then
         for b in ${CACHE_B4_BUDGETS:-$last}; do
-            engines=(); for e in ${CACHE_B4_ENGINES:-zipmoe zipmoe-basic}; do engines+=(--engine "$e"); done
+            engines_of "${CACHE_B4_ENGINES:-zipmoe zipmoe-basic}"
             stage "bench-$b-b4" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$tl" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
                 --json "$W/qwen-b4.json"
@@ -283,7 +283,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     # 512 new tokens: the plan and full tensors only (CACHE_LONG=1; CACHE_LONG_ENGINES), at CACHE_LONG_BUDGETS (default the largest)
     if [ "${CACHE_LONG:-0}" != 0 ]; then
         local long=$(( 2 * tl > 150 ? 2 * tl : 150 ))  # s per 512-token run
-        engines=(); for e in ${CACHE_LONG_ENGINES:-zipmoe zipmoe-basic}; do engines+=(--engine "$e"); done
+        engines_of "${CACHE_LONG_ENGINES:-zipmoe zipmoe-basic}"
         for b in ${CACHE_LONG_BUDGETS:-$last}; do
             stage "bench-$b-512" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$long" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
                 --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens 512 "${common[@]}" $BENCH_EXTRA \

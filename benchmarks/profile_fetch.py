@@ -40,7 +40,7 @@ staging ring, the device merge at stage time and the full pool's slots, so that 
 thread's share of them can be measured without a GPU.
 
 ``--profile``: one more sweep of each pass under cProfile and the top functions by self time
-(below Python 3.12 cProfile follows the thread that enables it, the serving thread; from 3.12 on
+(``--sort cumtime``: by cumulative time; below Python 3.12 cProfile follows the thread that enables it, the serving thread; from 3.12 on
 it sees every thread).
 
 ``--compare-with DIR``: run this script ``--rounds`` times alternately with ``PYTHONPATH=DIR``
@@ -196,9 +196,9 @@ class _ThreadCPU:
 CPU = _ThreadCPU()
 
 
-def _top(prof, n: int = 25) -> str:
+def _top(prof, n: int = 25, sort: str = "tottime") -> str:
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats(os.environ.get("PF_SORT", "tottime")).print_stats(n)
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(n)
     return s.getvalue()
 
 
@@ -248,7 +248,7 @@ def measure(a) -> dict:
         if a.profile:
             prof = cProfile.Profile()
             _timed(rt, loop, first, tokens, between, device, prof)
-            profiles[name] = _top(prof, a.top)
+            profiles[name] = _top(prof, a.top, a.sort)
 
     with torch.inference_mode():
         # compressed: a cache with only a compressed pool, warmed by one sweep of the same steps
@@ -361,6 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--staged", action="store_true", help="on the CPU: the staging ring, the device merge and the full pool's slots as on CUDA")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumtime"),
+                    help="--profile's order: self time (default) or cumulative time")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--compare-with", default=None)

@@ -491,7 +491,7 @@ def run_case(model, runtime, torch, case: dict, spec: dict, sampler: RssSampler,
         d = holder.get("diag")
         if d is not None:
             d.on_token()
-        k = holder["tokens"] = holder.get("tokens", 0) + 1
+        k = len(streamer.times)  # (the streamer, made below, has just timed this token)
         if k % RSS_EVERY == 1:
             rss_trace.append([k, rss_bytes(), int(torch.cuda.memory_allocated()) if cuda else None])
 
