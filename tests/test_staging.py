@@ -195,3 +195,40 @@ def test_cuda_staging_ring_is_pinned_and_counted(tmp_path_factory):
     assert len(ring.free) == ring.slots and rt._inflight == 0
     assert rt.describe()["staging"]["pinned"]
     rt.close()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_finished_fetch_needs_no_cyclic_collector(tmp_path_factory, staged):
+    """A released group drops its fetches' back-reference and their views into read buffers and
+    the staging slot: nothing of a fetch waits for Python's cyclic collector, whose oldest
+    generation runs rarely, and which on the GPU box held dropped read buffers mapped for
+    hundreds of tokens beyond what the budget counted (docs/benchmarks.md §22l)."""
+    import gc
+
+    from zipmoe.runtime.engine.fetch import _Fetch, _Group
+    from zipmoe.runtime.engine.staging import StagingRing
+
+    src, path = container(tmp_path_factory, "qwen2_moe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["min_budget"] + (1 << 20), workers=2, prefetch=True)
+    rt = model.zipmoe
+    if staged:
+        rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with torch.no_grad():
+            for seed in range(2):
+                model(**inputs(vocab, False, batch=2, seed=seed))
+        fetched = rt.counters.hits["none"]
+        gc.collect()
+        kept = [o for o in gc.garbage if type(o) in (_Group, _Fetch)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert fetched > 0
+    assert not kept, f"{len(kept)} groups and fetches were freed only by the cyclic collector"
+    rt.close()

@@ -268,6 +268,15 @@ class Fetcher:
         for f in g.fetches:
             if f is not None:
                 f.bufs = []
+                if not g.remaining:
+                    # A fetch and its group refer to each other: left so, the pair (and the
+                    # views below, which keep read buffers and staging memory alive) is freed
+                    # only by Python's cyclic collector, whose oldest generation runs rarely in
+                    # a process holding a model. A read buffer the working set had dropped then
+                    # stayed mapped for hundreds of tokens: host memory the budget no longer
+                    # counted (docs/benchmarks.md §22l). Every thread is done with them here.
+                    f.group = None
+                    f.e_parts = f.sm_parts = f.host = f.exp_host = f.sm_host = None
 
     def _drop(self, g: _Group) -> None:
         """A prefetched expert that will not be used: cancel what has not started; release it
