@@ -150,3 +150,20 @@ def test_aging_keeps_ties_by_recency_and_the_buckets_consistent():
     for p in c.pools.values():
         for cnt, b in p.buckets.items():
             assert all(c.count.get(u, 0) == cnt for u in b)
+
+
+def test_admitted_bytes_count_fetches_not_the_cascade():
+    from zipmoe.runtime.engine.cache import ExpertCache
+
+    def demote(pool, data):
+        return {"e_only": (1, "e")} if pool == "compressed" else None
+
+    cache = ExpertCache({"compressed": 3, "e_only": 10}, demote=demote)
+    for uid in (1, 2, 3):
+        cache.touch(uid)
+        cache.touch(uid) if uid == 3 else None
+        cache.offer(uid, {"compressed": (3, "c"), "e_only": (1, "e")})
+    # 1 enters compressed, 2 (same count) goes to e_only, 3 (used more) evicts 1 from compressed,
+    # which the cascade moves down to e_only without a copy
+    assert cache.state_of(3) == "compressed" and cache.state_of(1) == "e_only" and cache.demotions == 1
+    assert cache.admitted == {"full": 0, "compressed": 6, "sm_only": 0, "e_only": 1}

@@ -376,3 +376,25 @@ def test_a_plan_for_another_dtype_is_named_at_load(container):
         return inspect.signature(fn).parameters[name].default.default
 
     assert default(plan_cmd, "dtype") == default(chat, "dtype") == "auto"
+
+
+def test_profile_measures_the_copy_a_host_pool_admission_makes(container):
+    """costs.admit_bw: the serving thread's copy of a fetched tensor's E and SM parts out of a
+    read buffer (device_side.own_parts, the function admissions run), bytes per second; the
+    copies are exact and of their own (not views the next read overwrites)."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.engine.device_side import own_parts
+    from zipmoe.runtime.plan.layout import expert_tensors
+    from zipmoe.runtime.plan.micro import measure_admit
+    from zipmoe.runtime.plan.profile import measure
+
+    path, _ = container
+    with ContainerReader(path) as r:
+        tensors = [t for ts in expert_tensors(r).values() for t in ts][:4]
+        got = measure_admit(r, tensors, seconds=0.02)
+    per = sum(t.e_bytes + t.sm_bytes for t in tensors) / len(tensors)
+    assert got["jobs"] >= len(tensors) and got["bw"] > 0 and got["bytes_per_job"] == pytest.approx(per, rel=0.5)
+    buf = np.arange(64, dtype=np.uint8)
+    copies = own_parts([buf[8:24], buf[30:31]])
+    assert [c.tolist() for c in copies] == [list(range(8, 24)), [30]] and all(c.base is None for c in copies)
+    assert measure(path, "cpu", workers=1, quick=True)["costs"]["admit_bw"] > 0

@@ -233,3 +233,44 @@ def test_a_mixed_plan_must_win_on_each_half_of_the_prompts(monkeypatch):
     even = _cycle(wide, 4)
     plan = P.make_plan(layout, budget, stats, prof, workers=1, replay=(even, _tensors()))
     assert plan["pools"]["compressed"] > 0 and plan["expected_tpot_s"] < 0.97 * plan["alternatives"]["full only"]["expected_tpot_s"]
+
+
+def test_admission_copies_are_charged_and_can_keep_full_tensors_only():
+    """A mixed plan's host pools take bytes from fetches that the serving thread copies (§22k:
+    219 us per fetched tensor against 36 with full tensors only); the per-state costs, measured
+    with each state alone, admit nothing. The replay counts the bytes the host pools take per
+    step, the plan is charged them at the profile's copy rate and says so; a slow enough copy
+    keeps full tensors only."""
+    from zipmoe.runtime.plan import planner as P
+
+    layout, stats, _, _ = _planner()
+    per = {"full": 0.0, "compressed": 0.0002, "sm_only": 0.004, "e_only": 0.005, "none": 0.006}
+    budget = layout.min_budget(1) + 3 * 20000 + 5 * 6144 * 2
+    even = _cycle(lambda p: [0, 1, 2, 3, 4, 5, 6], 4)
+
+    def plan_with(admit_bw):
+        prof = {"costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                          "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
+                "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
+        return P.make_plan(layout, budget, stats, prof, workers=1, replay=(even, _tensors()))
+
+    fast = plan_with(1e12)  # copies for free: the mix of the test above
+    assert fast["pools"]["compressed"] > 0
+    adm = fast["expected_admit_bytes_per_token"]
+    assert adm > 0 and fast["expected_admit_s_per_token"] == pytest.approx(adm / 1e12)
+    assert any("admit" in line and "MiB per token" in line for line in fast["explain"])
+    # the full pool's own admissions are not host copies: full tensors only is charged nothing
+    assert fast["alternatives"]["full only"]["expected_admit_bytes_per_token"] == 0
+    gain = fast["alternatives"]["full only"]["expected_tpot_s"] - fast["expected_tpot_s"]
+    slow = plan_with(adm / gain)  # the copies take what the mix saves: it no longer pays
+    assert slow["pools"] == slow["alternatives"]["full only"]["pools"]
+    assert any(line.startswith("the best mix found: its host pools admit") for line in slow["explain"])
+
+
+def test_replay_counts_the_bytes_host_pools_take_from_fetches_not_from_the_cascade():
+    ets = _tensors(4)
+    calls = [R.LayerCall(0, (e,), True) for e in (0, 1, 0, 1, 2, 3)]
+    res = R.replay(calls, ets, {"full": 0, "compressed": 10 ** 6, "sm_only": 0, "e_only": 0})
+    # the first use of each expert admits its two tensors' E and SM bytes; hits admit nothing
+    one = 700 + 2048 + 350 + 1024
+    assert res.admitted.tolist() == [one, one, 0, 0, one, one]

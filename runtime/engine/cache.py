@@ -146,6 +146,11 @@ class ExpertCache:
         self._since_aging = 0
         self.agings = 0  # how many times the counts were halved
         self.examined = 0  # bucket entries looked at by admissions (the tests bound it)
+        # bytes each pool took from fetches (not from the cascade, whose data a pool above already
+        # held): what the runtime copies into its host pools on the serving thread, which the
+        # planner charges (runtime/plan/replay.py, docs/planner.md "Admission copies")
+        self.admitted = {name: 0 for name in POOLS}
+        self._cascading = False
 
     # --- queries
     def state_of(self, uid: int) -> str | None:
@@ -265,6 +270,8 @@ class ExpertCache:
                 self._remove(uid)
             if callable(data):
                 data = data()
+            if not self._cascading:
+                self.admitted[name] += nbytes
             self._insert(pool, uid, nbytes, data)
             for victim, vdata in evicted:
                 self._cascade(victim, name, vdata)
@@ -286,8 +293,14 @@ class ExpertCache:
             return
         below = POOLS[POOLS.index(from_pool) + 1 :]
         forms = {k: v for k, v in (self.demote(from_pool, data) or {}).items() if k in below}
-        if forms and self.offer(uid, forms) is not None:
-            self.demotions += 1
+        if not forms:
+            return
+        outer, self._cascading = self._cascading, True
+        try:
+            if self.offer(uid, forms) is not None:
+                self.demotions += 1
+        finally:
+            self._cascading = outer
 
     def put(self, uid: int, pool_name: str, nbytes: int, data) -> bool:
         """Place without competing (warm start): only if it fits in the free space."""

@@ -26,7 +26,7 @@ import torch
 
 from zipmoe.runtime.engine.staging import CopyStream, cuda_block_bytes, own_device
 
-__all__ = ["DeviceSide", "demote"]
+__all__ = ["DeviceSide", "demote", "own_parts"]
 
 
 class DeviceSide:
@@ -140,11 +140,11 @@ class DeviceSide:
         forms = {"full": (t.compute_bytes, f.w if self.slotted else (lambda w=f.w: own_device(w)))}
         if f.e_parts is not None and f.sm_parts is not None:
             e_parts, sm_parts = f.e_parts, f.sm_parts
-            forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (_own(e), _own(s)))
+            forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (own_parts(e), own_parts(s)))
         if f.sm_parts is not None:
-            forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: _own(s))
+            forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: own_parts(s))
         if f.e_parts is not None:
-            forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: _own(e))
+            forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: own_parts(e))
         return forms
 
 
@@ -159,7 +159,7 @@ def demote(pool_name: str, data):
     return {"sm_only": (sum(p.nbytes for p in sm_parts), sm_parts), "e_only": (sum(p.nbytes for p in e_parts), e_parts)}
 
 
-def _own(parts: list) -> list:
+def own_parts(parts: list) -> list:
     """Exact-size copies (read buffers are views into larger aligned buffers)."""
     out = []
     for p in parts:

@@ -191,6 +191,47 @@ def measure_decomp(reader, tensors, seconds: float = 0.5) -> dict:
             "per_job_s": elapsed / jobs}
 
 
+def measure_admit(reader, tensors, seconds: float = 0.2) -> dict:
+    """What a host pool's admission costs the serving thread: the copy of a fetched tensor's E
+    and SM parts out of its read buffer into arrays of their own, with the function serving
+    runs (:func:`zipmoe.runtime.engine.device_side.own_parts`; a pool keeps them after the read
+    buffer is reused), bytes copied per second. On the H100 box a mixed plan spent 219 us per
+    fetched tensor admitting where full tensors only spent 36 (docs/benchmarks.md §22k), a cost
+    the per-state passes, which serve each state alone and admit nothing, never see."""
+    from zipmoe.runtime.engine.device_side import own_parts
+
+    work = []
+    for t in tensors:
+        ranges = [r for seg in t.segments for r in (seg.e_range, seg.sm_range) if r[1] > 0]
+        if not ranges:
+            continue
+        data = [np.frombuffer(reader.read_range(*r), np.uint8) for r in ranges]
+        buf = np.empty(sum(len(d) for d in data) + 4096, np.uint8)  # one buffer, as a read's
+        parts, pos = [], 4096
+        for d in data:
+            buf[pos : pos + len(d)] = d
+            parts.append(buf[pos : pos + len(d)])
+            pos += len(d)
+        work.append(parts)
+    if not work:
+        return {"bw": 0.0, "jobs": 0, "seconds": 0.0}
+    for parts in work[:2]:
+        own_parts(parts)
+    done, jobs, elapsed = 0, 0, 0.0
+    kept: list = []  # a few copies alive at once, as a pool holds them: the heap is not one block reused
+    t0 = time.perf_counter()
+    while elapsed < seconds or jobs < len(work):
+        parts = work[jobs % len(work)]
+        kept.append(own_parts(parts))
+        if len(kept) > 8:
+            kept.pop(0)
+        done += sum(p.nbytes for p in parts)
+        jobs += 1
+        elapsed = time.perf_counter() - t0
+    return {"bw": done / elapsed, "jobs": jobs, "seconds": elapsed, "per_job_s": elapsed / jobs,
+            "bytes_per_job": done / jobs}
+
+
 def measure_merge(numel: int, device: str = "cpu", seconds: float = 0.3) -> dict:
     """``zipmoe.kernels.merge`` of ``numel`` values on ``device``: bf16 bytes per second."""
     from zipmoe.kernels import merge

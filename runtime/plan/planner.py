@@ -109,6 +109,9 @@ class Planner:
 
         fetching = profile.get("costs", {}).get("dense_s_per_token_fetching")
         self.dense_fetching_s = max(self.dense_s, float(fetching)) if fetching is not None else self.dense_s
+        # the serving thread's copy into a host pool per byte admitted (profile costs.admit_bw,
+        # micro.measure_admit; 0: an older profile, admissions not charged)
+        self.admit_bw = float(profile.get("costs", {}).get("admit_bw") or 0.0)
         self.replayer = None  # runtime.plan.replay.ReplayPredictor over the recorded routing (use_replay)
         self.halves: list = []  # the same over each half of its prompts
 
@@ -150,7 +153,12 @@ class Planner:
         layers = r["layers_s_per_step"]
         if self.step_costs is None:
             layers += self.layer_overhead * len(self.layout.decode_layers)
-        return {"tpot_s": layers + self.dense_for(r["hits"]), "layers_s_per_step": layers, "hits": r["hits"]}
+        # what the host pools take from fetches is copied on the serving thread (docs/planner.md,
+        # "Admission copies"); the per-state costs, measured with each state alone, admit nothing
+        admit_b = float(r.get("admit_bytes_per_step", 0.0))
+        admit_s = admit_b / self.admit_bw if self.admit_bw > 0 else 0.0
+        return {"tpot_s": layers + admit_s + self.dense_for(r["hits"]), "layers_s_per_step": layers,
+                "hits": r["hits"], "admit_bytes_per_step": admit_b, "admit_s_per_step": admit_s}
 
     def _half_s(self, pred, slots: dict[str, float]) -> float:
         return self._with_tpot(pred.evaluate(self.pools_of(slots))["cold"])["tpot_s"]
@@ -268,6 +276,20 @@ class Planner:
                 lines.append(f"{pool}: {ratio:.2f} slots fit in one full slot's bytes; with experts equally hot they "
                              f"save {1e3 * ratio * gain:.3f} ms against a miss where the full slot saves "
                              f"{1e3 * (a['none'] - a['full']):.3f} ms ({'pays' if ratio * gain > a['none'] - a['full'] else 'does not pay'})")
+        if self.replayer is not None:
+            def admit_line(name, slots):
+                r = self.replayed(slots)["cold"]
+                return (f"{name}: its host pools admit {r['admit_bytes_per_step'] / 2**20:.1f} MiB per token, copied "
+                        f"on the serving thread at {self.admit_bw / 2**30:.2f} GiB/s measured: "
+                        f"{1e3 * r['admit_s_per_step']:.2f} ms per token charged")
+            if self.admit_bw > 0:
+                if any(float(chosen.get(p, 0)) > 0 for p in POOLS if p != "full"):
+                    lines.append(admit_line("the chosen plan", chosen))
+                if passed_over:
+                    lines.append(admit_line("the best mix found", passed_over))
+            else:
+                lines.append("admission copies into the host pools are not charged: the profile predates their "
+                             "measurement (measure it again)")
         fo = singles.get("full")
         if fo is not None:
             t_full, t_best = self.judged_s(fo), self.judged_s(chosen)
@@ -315,6 +337,8 @@ class Planner:
             "expected_sparse_s_per_token": float(cold["layers_s_per_step"]),
             "expected_dense_s_per_token": self.dense_for(cold["hits"]),
             "expected_tpot_s": float(cold["tpot_s"]),
+            "expected_admit_bytes_per_token": float(cold["admit_bytes_per_step"]),
+            "expected_admit_s_per_token": float(cold["admit_s_per_step"]),
             "warm": {"expected_tpot_s": float(warm["tpot_s"]),
                      "expected_hits": {s: float(h) for s, h in zip(POOL_ORDER, warm["hits"])}},
             "rank_model": rank,
@@ -416,6 +440,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "expected_sparse_s_per_token": chosen["expected_sparse_s_per_token"],
         "expected_tpot_s": chosen["expected_tpot_s"],
         "expected_prefetch_credit_s_per_token": chosen["expected_prefetch_credit_s_per_token"],
+        **({k: chosen[k] for k in ("expected_admit_bytes_per_token", "expected_admit_s_per_token") if k in chosen}),
         **({"warm": chosen["warm"], "rank_model": chosen["rank_model"]} if "warm" in chosen else {}),
         "alternatives": alternatives,
         "search": {"evaluated": res.evaluated, "judged_by": "replay" if planner.replayer is not None else "rank model",

@@ -27,6 +27,9 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   **bf16 bytes** (2 x numel) per second.
 * **merge**: ``zipmoe.kernels.merge`` (numba on the CPU, Triton on CUDA) of E and SM bytes into
   bf16 on the device, bf16 bytes per second.
+* **admission**: the copy the serving thread makes when a host pool (compressed, SM only, E
+  only) keeps a fetched tensor: its E and SM parts out of the read buffer into arrays of their
+  own (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``).
 * **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
   its compute tensors, plus the activation), with the torch threads the serving process will use
   (``zipmoe.machine.torch_threads(workers)``).
@@ -82,7 +85,8 @@ from zipmoe.errors import UsageError
 from zipmoe.machine import cores, cpu_model, decode_workers, torch_threads
 from zipmoe.runtime.plan.fits import serving_overheads
 from zipmoe.runtime.engine.settings import DEFAULT_READERS
-from zipmoe.runtime.plan.micro import measure_compute, measure_decomp, measure_disk, measure_disk_readers, measure_merge
+from zipmoe.runtime.plan.micro import (measure_admit, measure_compute, measure_decomp, measure_disk, measure_disk_readers,
+                                       measure_merge)
 from zipmoe.runtime.plan.passes import measure_runtime
 from zipmoe.runtime.plan.simulate import Costs
 
@@ -93,8 +97,8 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: what a cached profile must have been measured by: 2 = the served passes teacher-force the
 #: corpus and measure every cache state (``step_costs``, 2 Dec 2026); 3 = without CUDA graphs the
 #: misses' costs are fitted to a served run at capacity (``step_costs["served_fit"]``, 5 Dec 2026);
-#: older ones are measured again
-PROFILE_REVISION = 3
+#: 4 = the host pools' admission copy rate (``costs.admit_bw``, 6 Dec 2026); older ones are measured again
+PROFILE_REVISION = 4
 
 
 # ---------------------------------------------------------------------------------- identity
@@ -153,6 +157,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         merge = measure_merge(biggest, device, seconds=0.3 * scale)
         compute = measure_compute([u[1] for u in layout.units], device, threads=torch_threads(workers),
                                   seconds=0.3 * scale, dtype=layout.dtype)
+        admit = measure_admit(reader, sample, seconds=0.2 * scale)
         prof = {
             "format": PROFILE_FORMAT,
             "revision": PROFILE_REVISION,
@@ -165,6 +170,7 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             "decomp": decomp,
             "merge": merge,
             "compute": compute,
+            "admit": admit,
         }
     # where the runtime merges: on the CPU device the decode workers do it (runtime.engine.decoder);
     # on CUDA the device does, with the Triton kernel
@@ -189,6 +195,8 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         "merge_bw": merge["bw"],
         "compute_s_per_expert": compute_s,
         "merge_on_workers": on_workers,
+        # bytes per second the serving thread copies into a host pool when it admits (micro.measure_admit)
+        "admit_bw": admit["bw"],
     }
     if dense_s is not None:
         prof["costs"]["dense_s_per_token"] = dense_s

@@ -175,6 +175,7 @@ class ReplayResult:
     tensor_hits: np.ndarray  # [calls, len(STATES)]: chosen expert *tensors* per state (the counters' unit)
     layers: np.ndarray  # [calls]: the layer of each call
     decode: np.ndarray  # [calls] bool
+    admitted: np.ndarray | None = None  # [calls]: bytes the host pools took from this call's fetches
 
     def hits_per_layer(self, decode_only: bool = True) -> np.ndarray:
         """Mean chosen experts per state per layer call (STATES order)."""
@@ -209,8 +210,15 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
     thits = np.zeros((n, len(STATES)), dtype=np.int64)
     layers = np.zeros(n, dtype=np.int64)
     decode = np.zeros(n, dtype=bool)
+    admitted = np.zeros(n, dtype=np.int64)
+    adm = cache.admitted
+
+    def host_admitted() -> int:
+        return adm["compressed"] + adm["sm_only"] + adm["e_only"]
+
     touch, state_of, pin = cache.touch, cache.state_of, cache.pin
     for i, call in enumerate(calls):
+        before = host_admitted()
         layers[i], decode[i] = call.layer, call.decode
         tensors, states = {}, {}
         for e in call.experts:
@@ -232,7 +240,8 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
                 if s != "full":
                     cache.offer(t.uid, _forms(t))
         cache.unpin_all()
-    return ReplayResult(counts, thits, layers, decode)
+        admitted[i] = host_admitted() - before
+    return ReplayResult(counts, thits, layers, decode, admitted)
 
 
 def table_index(table) -> dict:
@@ -301,8 +310,11 @@ class ReplayPredictor:
         out = {}
         for name, sl in (("cold", slice(0, n)), ("warm", slice(n, 2 * n))):
             counts = res.counts[sl][res.decode[sl]]
+            adm = res.admitted[sl][res.decode[sl]]
             out[name] = {"layers_s_per_step": self._layers_s(counts),
-                         "hits": counts.mean(axis=0) if len(counts) else np.zeros(len(STATES))}
+                         "hits": counts.mean(axis=0) if len(counts) else np.zeros(len(STATES)),
+                         # host-pool bytes copied per step (the planner charges their copy)
+                         "admit_bytes_per_step": float(adm.mean()) * self.decode_layers if len(adm) else 0.0}
         self._memo[key] = out
         return out
 
@@ -340,6 +352,10 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1, before: lis
     counts = res.counts[n0:][res.decode[n0:]]
     index = table_index(table)
     layers_s = sum(table_value(table, index, c) for c in counts) / decode_steps
+    # the host pools' admission copies, on the serving thread (docs/planner.md "Admission copies")
+    admit_bw = float(((profile or {}).get("costs") or {}).get("admit_bw") or 0.0)
+    if admit_bw > 0:
+        layers_s += float(res.admitted[n0:][res.decode[n0:]].sum()) / decode_steps / admit_bw
     return {"model_tpot_s": float(sc["resident_step_s"]) + layers_s,
             "model_hits": dict(zip(STATES, (counts.mean(axis=0) if len(counts) else np.zeros(len(STATES))).tolist())),
             "model_tensor_hits": dict(zip(STATES, res.tensor_hits[n0:].sum(axis=0).tolist()))}
