@@ -296,6 +296,11 @@ def test_serving_passes_hold_each_state(container, device):
         assert states[s]["experts_per_layer"] == layout.top_k
         assert states[s]["state_share"] >= 0.9, (s, states[s]["hits"])
     assert states["none"]["reads"] > 0
+    # the admission pass: every fetched tensor kept by a host pool, its copy timed while serving
+    adm = states["admit"]
+    assert adm["fetched"] == states["none"]["fetched"] > 0  # the same stream, every tensor fetched
+    assert adm["admitted_bytes"] > 0 and adm["admit_s"] > 0
+    assert adm["admit_bw"] is None or adm["admit_bw"] > 0
     sc = out["step_costs"]
     assert set(sc["per_expert_s"]) == set(POOL_ORDER)
     assert sc["per_expert_s"]["full"] == 0.0 or device == "cuda"

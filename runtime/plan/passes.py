@@ -157,10 +157,48 @@ def state_pass(model, rt, state: str, prompt, forced) -> dict:
         out["dense_s_per_token"] = max(0.0, out["step_s"] - sparse / steps)
     if state == "none":
         reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
-        out.update(reads=int(reads), read_bytes=int(read_bytes), read_s=float(read_s))
+        out.update(reads=int(reads), read_bytes=int(read_bytes), read_s=float(read_s),
+                   admit_s=float(d["time_s"]["admit"]), fetched=int(d["hits"].get("none", 0)))
     if state == "compressed":
         out["compressed_share"] = out["state_share"]
     return out
+
+
+def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
+    """Every chosen expert a miss and every fetched tensor kept by a host pool: a cache with one
+    compressed pool as large as the runtime's pools, emptied before each step. The serving
+    thread's admission time (counters ``admit``) beyond the all-miss pass's (``miss``: its
+    offers, which no pool takes, cost the same bookkeeping), per byte the pool took: the rate
+    ``costs.admit_bw`` charges a plan's host-pool admissions at (docs/planner.md, "Admission
+    copies"). Measured while serving, it includes what a copy alone does not: the serving
+    thread's wait for the GIL that eight decode workers and the readers share (on the H100 box
+    the copy alone ran at 7.5 GiB/s, §22l)."""
+    from zipmoe.runtime.engine.cache import ExpertCache
+
+    cache = ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None)
+    base: list = []
+
+    def between() -> None:
+        if not base:  # what the prefill admitted is not the steps'
+            base.append(cache.admitted["compressed"])
+        cache.clear()
+
+    old = rt.swap_cache(cache)
+    try:
+        times, d = _run_stream(model, rt, prompt, forced, between_steps=between)
+    finally:
+        rt.swap_cache(old)
+    admitted = cache.admitted["compressed"] - (base[0] if base else 0)
+    fetched = int(d["hits"].get("none", 0))
+    admit_s = float(d["time_s"]["admit"])
+    book = 0.0
+    if miss and miss.get("fetched"):
+        book = float(miss.get("admit_s", 0.0)) * fetched / int(miss["fetched"])
+    copy_s = max(0.0, admit_s - book)
+    return {"state": "every fetch admitted", "steps": len(times),
+            "step_s": float(np.median(times)) if times else None, "fetched": fetched,
+            "admitted_bytes": int(admitted), "admit_s": admit_s, "bookkeeping_s": book,
+            "admit_bw": admitted / copy_s if admitted and copy_s > 0 else None}
 
 
 def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
@@ -375,6 +413,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                 out["layer_overhead_s"] = max(0.0, host["layer_makespan_s"] - host["experts_per_layer"] * host["compute_s_per_expert"])
             for state in ("compressed", "sm_only", "e_only", "none"):
                 passes[state] = state_pass(model, rt, state, prompt, stream)
+            passes["admit"] = admit_pass(model, rt, prompt, stream, passes["none"])
             if budget >= want:  # every expert resident: j misses per layer, the others full hits
                 for j in miss_counts(layout.top_k):
                     passes[f"misses_{j}"] = lone_miss_pass(model, rt, prompt, stream, j)

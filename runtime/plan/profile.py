@@ -29,7 +29,10 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   bf16 on the device, bf16 bytes per second.
 * **admission**: the copy the serving thread makes when a host pool (compressed, SM only, E
   only) keeps a fetched tensor: its E and SM parts out of the read buffer into arrays of their
-  own (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``).
+  own (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``). Where
+  the runtime's passes ran, the rate is the served one (``runtime.states.admit``,
+  passes.admit_pass: every fetch admitted while serving, the bookkeeping of the all-miss pass
+  taken out); ``admit.source`` says which.
 * **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
   its compute tensors, plus the activation), with the torch threads the serving process will use
   (``zipmoe.machine.torch_threads(workers)``).
@@ -195,9 +198,15 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
         "merge_bw": merge["bw"],
         "compute_s_per_expert": compute_s,
         "merge_on_workers": on_workers,
-        # bytes per second the serving thread copies into a host pool when it admits (micro.measure_admit)
+        # bytes per second the serving thread admits into a host pool: as served (passes.admit_pass)
+        # where the runtime ran, else the copy alone (micro.measure_admit)
         "admit_bw": admit["bw"],
     }
+    served_admit = ((prof.get("runtime") or {}).get("states") or {}).get("admit") or {}
+    if served_admit.get("admit_bw"):
+        prof["costs"]["admit_bw"] = float(served_admit["admit_bw"])
+        prof["admit"]["served_bw"] = float(served_admit["admit_bw"])
+    prof["admit"]["source"] = "served" if served_admit.get("admit_bw") else "copy alone"
     if dense_s is not None:
         prof["costs"]["dense_s_per_token"] = dense_s
     if layer_overhead is not None:
