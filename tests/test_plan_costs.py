@@ -249,8 +249,10 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     assert "no routing of this file recorded yet" in line and plan["pools"]["compressed"] == plan["pools"]["sm_only"] == 0
     record_usage(tmp_path, cid, {str(l): {0: 500, 1: 400, 2: 3} for l in layout.sparse_layers}, calls=MIN_CALLS_PER_LAYER)
     plan2, line2 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
-    assert "fitted at load" in line2 and "earlier layer calls" in line2 and plan2["trace"]["source"] == "earlier runs"
-    assert plan2["source"] == "default" and sum(plan2["pools"].values()) > 0
+    assert "fitted at load" in line2 and "earlier layer calls" in line2
+    # the rank model's mix is not trusted without recorded routing to replay (test below)
+    assert "the mix it fitted is not used: 0 recorded decode layer calls" in line2
+    assert plan2["pools"]["compressed"] == plan2["pools"]["sm_only"] == plan2["pools"]["e_only"] == 0
     # a profile measured with another queue depth is not this machine's profile any more
     assert default_plan(path, budget, "cpu", 1, tmp_path, readers=2)[1].startswith("default plan: full tensors only")
     # a corrupt statistics file: a warning line, then the prior
@@ -272,6 +274,13 @@ def test_uses_are_counted_per_layer_call_and_logged_on_request():
     assert delta(c.snapshot(), before)["uses"] == {"0": {3: 1}}
     assert c.log_uses(False) == [(0, (3,))] and c.uses_log is None
     assert c.layer_calls == 3 and c.expert_calls == 5
+    # the most recent calls are kept always, bounded (what the default plan replays)
+    assert list(c.recent_calls) == [(0, (3, 1)), (0, (3,))]
+    from zipmoe.runtime.engine.counters import RECENT_CALLS
+
+    for i in range(RECENT_CALLS + 5):
+        c.add_layer(i % 2, 0.0, [i % 7])
+    assert len(c.recent_calls) == RECENT_CALLS and c.recent_calls[-1] == ((RECENT_CALLS + 4) % 2, ((RECENT_CALLS + 4) % 7,))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -360,3 +369,45 @@ def test_no_served_fit_when_switched_off_or_without_a_run(container):
     out = measure_runtime(path, layout, "cpu", workers=1, tokens=3, warmup=2, miss_tokens=3, served_tokens=0)
     assert "served" not in out["states"] and "served_fit" not in out["step_costs"]
     assert served_miss_scale(out["step_costs"], {"mean_step_s": 0.1, "routing": [], "capacity": 0, "steps": 0}, None) is None
+
+
+def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_charged(container, tmp_path):
+    """The rank model's steady state admits nothing, so a mix the default fits at load is judged
+    against full tensors only on the routing earlier runs recorded (``counters.recent_calls``,
+    kept by record_usage), replayed through the runtime's cache with the host pools' admission
+    copies charged: kept where it wins by the planner's margin, full tensors only where the
+    copies eat the gain (as §22k's mix did on the H100)."""
+    from zipmoe.runtime.plan.default import default_plan, read_routing, record_usage, stats_path
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, default_profile_path, machine_info, save_profile
+
+    path, cid, layout = container
+    E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
+    budget = layout.min_budget(1)
+    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
+        budget += 4096
+    hot = list(range(max(k + 1, (E * 5) // 8)))  # more experts than full tensors hold, fewer than compressed ones
+    routing = []
+    for step in range(160):
+        for l in layout.sparse_layers:
+            routing.append((l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)}))))
+    uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
+
+    def fitted(admit_bw, tmp):
+        prof = {"format": PROFILE_FORMAT, "revision": 4, "machine": machine_info("cpu"), "container": container_info(path, cid),
+                "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
+                "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                          "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
+                "step_costs": {"resident_step_s": 0.01, "graphs": False,
+                               "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.008, "e_only": 0.009,
+                                                "none": 0.010}}}
+        save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
+        record_usage(tmp, cid, uses, calls=160, routing=routing)
+        return default_plan(path, budget, "cpu", 1, tmp, readers=4)
+
+    assert read_routing(stats_path(tmp_path / "a", cid), cid) == []
+    plan, line = fitted(1e15, tmp_path / "a")  # copies for free
+    assert read_routing(stats_path(tmp_path / "a", cid), cid) == routing
+    assert f"replayed {160 * n} recorded decode layer calls" in line, line
+    assert plan["pools"]["compressed"] > 0, line
+    plan, line = fitted(1.0, tmp_path / "b")  # a byte a second: no mix pays its copies
+    assert "full tensors only" in line and plan["pools"]["compressed"] == 0, line

@@ -32,6 +32,7 @@ def keep_usage(rt) -> None:
     try:
         snap = rt.counters.snapshot()
         layers = max(1, len(rt.sparse_layers))
-        record_usage(cache_dir(), rt.container_id, snap.get("uses") or {}, snap.get("layer_calls", 0) // layers)
+        record_usage(cache_dir(), rt.container_id, snap.get("uses") or {}, snap.get("layer_calls", 0) // layers,
+                     routing=list(rt.counters.recent_calls))
     except Exception:  # noqa: BLE001 - statistics never fail a run
         pass

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import deque
 import time
 
 from zipmoe.runtime.engine.states import STATES
@@ -60,6 +61,8 @@ from zipmoe.runtime.engine.states import STATES
 __all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
 
 STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "predict", "host")
+#: sparse layer calls ``Counters.recent_calls`` keeps (the calibration of the qwen1.5-moe shape: 3072)
+RECENT_CALLS = 3072
 
 
 class Counters:
@@ -94,6 +97,9 @@ class Counters:
         self.uses_log: list | None = getattr(self, "uses_log", None)
         if self.uses_log is not None:
             self.uses_log = []
+        # the most recent calls, always (bounded): what the default plan replays to judge a mixed
+        # plan against full tensors only (runtime/plan/default.py, kept by record_usage)
+        self.recent_calls: deque = deque(maxlen=RECENT_CALLS)
 
     # --- updates (thread-safe where called from several threads)
     def add_read(self, payload: int, disk: int, seconds: float, state: str | None = None,
@@ -136,8 +142,10 @@ class Counters:
                 per = self.uses[key] = {}
             for e in ids:
                 per[int(e)] = per.get(int(e), 0) + 1
+            call = (layer, tuple(int(e) for e in ids))
+            self.recent_calls.append(call)
             if self.uses_log is not None:
-                self.uses_log.append((layer, tuple(int(e) for e in ids)))
+                self.uses_log.append(call)
             experts = len(ids)
         rec = self.layer_makespan_s.get(key)
         if rec is None:

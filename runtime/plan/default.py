@@ -60,14 +60,32 @@ def read_usage(path, container_id: str) -> tuple[dict, int, str | None]:
     return counts, calls, None
 
 
-def record_usage(cache_dir, container_id: str, uses: dict, calls: int) -> Path | None:
+def read_routing(path, container_id: str) -> list:
+    """The most recent layer calls kept with the statistics, ``[(layer, (experts, ...)), ...]``
+    oldest first; empty when there are none or the file is unusable (:func:`read_usage` warns)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        if doc.get("format") != STATS_FORMAT or doc.get("container_id") != container_id:
+            return []
+        return [(int(layer), tuple(int(e) for e in experts)) for layer, experts in doc.get("routing") or []]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+
+
+def record_usage(cache_dir, container_id: str, uses: dict, calls: int, routing=None) -> Path | None:
     """Add a run's ``counters.uses`` (or a delta of two snapshots) to the kept statistics, with
     ``calls`` the run's calls per sparse layer (``counters.layer_calls / sparse layers``); written
-    atomically. Returns the path, or None when nothing was written (no uses, unwritable folder)."""
+    atomically. ``routing``: the run's most recent layer calls (``counters.recent_calls``), kept
+    after those kept before, the last ``RECENT_CALLS`` of them, for :func:`default_plan` to judge a
+    mixed plan by. Returns the path, or None when nothing was written (no uses, unwritable folder)."""
+    from zipmoe.runtime.engine.counters import RECENT_CALLS
+
     if not uses or cache_dir is None:
         return None
     path = stats_path(cache_dir, container_id)
     counts, kept, _warn = read_usage(path, container_id)
+    recent = (read_routing(path, container_id) if not _warn else []) + [
+        (int(layer), tuple(int(e) for e in experts)) for layer, experts in (routing or [])]
     added = 0
     for layer, per in uses.items():
         row = counts.setdefault(str(int(layer)), {})
@@ -77,7 +95,7 @@ def record_usage(cache_dir, container_id: str, uses: dict, calls: int) -> Path |
     if not added:
         return None
     doc = {"format": STATS_FORMAT, "container_id": container_id, "uses": counts,
-           "layer_calls": kept + int(calls)}
+           "layer_calls": kept + int(calls), "routing": [[layer, list(ex)] for layer, ex in recent[-RECENT_CALLS:]]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -154,6 +172,11 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
     except ZipmoeError as exc:
         return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({exc})"
     what = f"the activations of {calls} earlier layer calls of this file"
+    if any(int(v) for k, v in plan["pools"].items() if k != "full"):
+        plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan,
+                                     read_routing(stats_path(cache_dir, cid), cid) if cache_dir is not None else [])
+        if verdict:
+            what += f"; {verdict}"
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
     line = (f"default plan: fitted at load from the cached profile and {what}: {pools or 'no pools'}, "
             f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per token")
@@ -161,3 +184,46 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         line = warn + "\n" + line
     plan["source"] = "default"
     return plan, line
+
+
+#: recorded decode calls the default plan needs before it replays them to judge a mix
+MIN_REPLAY_DECODE_CALLS = 256
+
+
+def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, device: str, plan: dict,
+                 recent: list) -> tuple[dict, str]:
+    """The rank model chose a mixed plan (its steady state has no churn, so it admits nothing):
+    judge it against full tensors only on the recorded routing, replayed through the runtime's
+    cache with the host pools' admission copies charged (runtime/plan/planner.py ``beats_full``,
+    the rule ``zipmoe plan`` applies: 3% faster on the whole replay and on each half). Without
+    enough recorded routing the mix is not trusted: full tensors only (on the H100 box the default
+    fitted so chose a mix that ran 4.7% slower than full tensors only, docs/benchmarks.md §22k).
+    Returns ``(plan, what was decided, for the line)``."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.plan.layout import expert_tensors
+    from zipmoe.runtime.plan.planner import PREFER_FULL_MARGIN, Planner
+    from zipmoe.runtime.plan.replay import LayerCall
+
+    full = full_only_plan(layout, budget, workers)
+    full["expected_tpot_s"] = float((plan.get("alternatives", {}).get("full only") or {}).get("expected_tpot_s", 0.0))
+    sparse = set(layout.sparse_layers)
+    calls = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
+    decode = sum(1 for c in calls if c.decode)
+    if decode < MIN_REPLAY_DECODE_CALLS:
+        return full, (f"the mix it fitted is not used: {decode} recorded decode layer calls to judge it by "
+                      f"(at least {MIN_REPLAY_DECODE_CALLS})")
+    with ContainerReader(path) as reader:
+        ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
+    planner = Planner(layout, stats, prof, workers, layout.window(budget, workers))
+    planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
+    sb, n = layout.slot_bytes, len(layout.decode_layers)
+    mix = {p: float(plan["pools"].get(p, 0)) / (sb[p] * n) for p in sb}
+    only = {p: (float(full["pools"]["full"]) / (sb["full"] * n) if p == "full" else 0.0) for p in sb}
+    ok, _halves = planner.beats_full(mix, only)
+    t_mix, t_full = planner.judged_s(mix), planner.judged_s(only)
+    judged = f"replayed {decode} recorded decode layer calls: the mix {1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms"
+    if ok:
+        plan["expected_tpot_s"] = t_mix
+        return plan, judged
+    full["expected_tpot_s"] = t_full
+    return full, judged + f" (a mix must be {100 * PREFER_FULL_MARGIN:.0f}% faster): full tensors only"
