@@ -225,7 +225,8 @@ def container(tiny_mixtral_container):
 
 def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(container, tmp_path):
     from zipmoe.runtime.plan.default import MIN_CALLS_PER_LAYER, default_plan, record_usage
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, default_profile_path, machine_info, save_profile
+    from zipmoe.runtime.plan.profile import (PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path,
+                                             machine_info, save_profile)
 
     path, cid, layout = container
     budget = layout.min_budget(1) + layout.total_expert_full // 3
@@ -235,7 +236,7 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     # every expert fits: the runtime's own split is right
     assert default_plan(path, layout.min_budget(1) + 2 * layout.total_expert_full, "cpu", 1, tmp_path)[0] is None
 
-    prof = {"format": PROFILE_FORMAT, "revision": 2, "machine": machine_info("cpu"), "container": container_info(path, cid),
+    prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
             "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
             "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
                       "compute_s_per_expert": 1e-4},
@@ -255,6 +256,10 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     assert plan2["pools"]["compressed"] == plan2["pools"]["sm_only"] == plan2["pools"]["e_only"] == 0
     # a profile measured with another queue depth is not this machine's profile any more
     assert default_plan(path, budget, "cpu", 1, tmp_path, readers=2)[1].startswith("default plan: full tensors only")
+    # nor one measured before the admission rate was (revision 4): its mixes would not be charged for it
+    save_profile({**prof, "revision": 3}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    assert "no current profile of this machine and file cached" in default_plan(path, budget, "cpu", 1, tmp_path, readers=4)[1]
+    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     # a corrupt statistics file: a warning line, then the prior
     (tmp_path / "stats" / f"{cid}.json").write_text("]")
     plan3, line3 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)

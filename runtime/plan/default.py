@@ -119,7 +119,7 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
     dtype (and reader count, when given): ``profile_path`` when given, else the cache's; None when
     there is none, it is stale or it cannot be read."""
     from zipmoe.errors import ZipmoeError
-    from zipmoe.runtime.plan.profile import check_profile, default_profile_path, load_profile
+    from zipmoe.runtime.plan.profile import PROFILE_REVISION, check_profile, default_profile_path, load_profile
 
     if cache_dir is None and profile_path is None:
         return None
@@ -129,7 +129,9 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
     except ZipmoeError:
         return None
     if prof is not None and (check_profile(prof, path, container_id, device, dtype) is not None or not prof.get("step_costs")
-                             or (readers is not None and prof.get("disk", {}).get("readers") != readers)):
+                             or (readers is not None and prof.get("disk", {}).get("readers") != readers)
+                             # measured before today's passes (revision 4: the admission rate): `zipmoe plan` measures again
+                             or prof.get("revision", 1) < PROFILE_REVISION):
         return None
     return prof
 
@@ -158,7 +160,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
     prof = find_profile(path, cid, device, dtype, cache_dir, profile_path=profile_path, readers=readers)
     if prof is None:
         return (full_only_plan(layout, budget, workers),
-                "default plan: full tensors only (no profile of this machine and file cached; "
+                "default plan: full tensors only (no current profile of this machine and file cached; "
                 f"`zipmoe plan {Path(path).name} --budget {format_size(budget).replace(' ', '')}` measures one, then the pools are fitted at load)")
     counts, calls, warn = read_usage(stats_path(cache_dir, cid), cid) if cache_dir is not None else ({}, 0, None)
     if calls < MIN_CALLS_PER_LAYER or not counts:
