@@ -67,7 +67,7 @@ decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCH
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not; CACHE_UNC=late: after every zstd run, from a second synth, at CACHE_UNC_BUDGETS, for the whole model), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS, CACHE_B4_ENGINES; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not; CACHE_UNC=late: after every zstd run, from a second synth, at CACHE_UNC_BUDGETS, for the whole model), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS, CACHE_B4_ENGINES; CACHE_B4=0: not), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2); a plan file at one budget (CACHE_MIX_PLAN=BUDGET:FILE, CACHE_MIX_TOKENS); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -299,6 +299,16 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-r2.json"
         done
     fi
+    # a plan given as a file at one budget (CACHE_MIX_PLAN=BUDGET:FILE, FILE relative to the checkout:
+    # e.g. §22k's mix, benchmarks/results/2026-12-06-h100-cache8g/work/qwen-plan-8G.json, whose
+    # container the seeded synth makes again, same id), CACHE_MIX_TOKENS (512) new tokens: a mixed
+    # plan's host memory over a long run and its prediction where the planner chose no mix
+    if [ -n "${CACHE_MIX_PLAN:-}" ]; then
+        local mb=${CACHE_MIX_PLAN%%:*} mf=${CACHE_MIX_PLAN#*:} mt=$(( 2 * tl > 150 ? 2 * tl : 150 ))
+        stage "bench-$mb-mix" "$(cache_stage_limit 1 "$mt" 240)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe \
+            --plan "$REPO/$mf" --budget "$mb" --batch 1 --new-tokens "${CACHE_MIX_TOKENS:-512}" "${common[@]}" $BENCH_EXTRA \
+            --time-limit "$mt" --json "$W/qwen-mix.json"
+    fi
     # CACHE_UNC=late (the whole model: its source, zstd and raw containers do not fit the box's 64 GB
     # together): the zstd container goes, the source is made again (synth is seeded: the same bytes),
     # packed raw and deleted, and `uncompressed` runs on the raw container at CACHE_UNC_BUDGETS
@@ -315,7 +325,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-unc.json" --merge
         done
     fi
-    stage qwen-report-more 60 sh -c "for f in '$W/qwen-b4.json' '$W/qwen-512.json' '$W/qwen-r2.json' '$W/qwen-unc.json'; do [ -e \"\$f\" ] && zipmoe bench --report \"\$f\"; done; true"
+    stage qwen-report-more 60 sh -c "for f in '$W/qwen-b4.json' '$W/qwen-512.json' '$W/qwen-r2.json' '$W/qwen-mix.json' '$W/qwen-unc.json'; do [ -e \"\$f\" ] && zipmoe bench --report \"\$f\"; done; true"
 }
 
 suite_planner() {  # why qwen's 8G mixed plan measured slower than full tensors only; then olmoe at 4G
