@@ -167,8 +167,9 @@ def state_pass(model, rt, state: str, prompt, forced) -> dict:
 def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
     """Every chosen expert a miss and every fetched tensor kept by a host pool: a cache with one
     compressed pool as large as the runtime's pools, emptied before each step. The serving
-    thread's admission time (counters ``admit``) beyond the all-miss pass's (``miss``: its
-    offers, which no pool takes, cost the same bookkeeping), per byte the pool took: the rate
+    thread's admission time (counters ``admit``) beyond the all-miss pass's per fetched tensor
+    (``miss``: its misses are admitted to the full pool, which the miss's measured cost already
+    includes, so what a host pool adds is the difference), per byte the pool took: the rate
     ``costs.admit_bw`` charges a plan's host-pool admissions at (docs/planner.md, "Admission
     copies"). Measured while serving, it includes what a copy alone does not: the serving
     thread's wait for the GIL that eight decode workers and the readers share (on the H100 box
