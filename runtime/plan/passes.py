@@ -198,7 +198,7 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
     copy_s = max(0.0, admit_s - book)
     return {"state": "every fetch admitted", "steps": len(times),
             "step_s": float(np.median(times)) if times else None, "fetched": fetched,
-            "admitted_bytes": int(admitted), "admit_s": admit_s, "bookkeeping_s": book,
+            "admitted_bytes": int(admitted), "admit_s": admit_s, "miss_admit_s": book,
             "admit_bw": admitted / copy_s if admitted and copy_s > 0 else None}
 
 

@@ -31,8 +31,8 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   only) keeps a fetched tensor: its E and SM parts out of the read buffer into arrays of their
   own (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``). Where
   the runtime's passes ran, the rate is the served one (``runtime.states.admit``,
-  passes.admit_pass: every fetch admitted while serving, the bookkeeping of the all-miss pass
-  taken out); ``admit.source`` says which.
+  passes.admit_pass: every fetch admitted to a host pool while serving, less the all-miss
+  pass's full-pool admissions); ``admit.source`` says which.
 * **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
   its compute tensors, plus the activation), with the torch threads the serving process will use
   (``zipmoe.machine.torch_threads(workers)``).
