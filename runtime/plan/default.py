@@ -197,7 +197,7 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     """The rank model chose a mixed plan (its steady state has no churn, so it admits nothing):
     judge it against full tensors only on the recorded routing, replayed through the runtime's
     cache with the host pools' admission copies charged (runtime/plan/planner.py ``beats_full``,
-    the rule ``zipmoe plan`` applies: 3% faster on the whole replay and on each half). Without
+    the rule ``zipmoe plan`` applies: ``PREFER_FULL_MARGIN`` faster on the whole replay and on each half). Without
     enough recorded routing the mix is not trusted: full tensors only (on the H100 box the default
     fitted so chose a mix that ran 4.7% slower than full tensors only, docs/benchmarks.md §22k).
     Returns ``(plan, what was decided, for the line)``."""

@@ -30,8 +30,11 @@ __all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT", "part_slot_corne
 PLAN_FORMAT = "zipmoe-plan/1"
 #: a mixed plan is chosen over full tensors only when it is predicted at least this much faster:
 #: the cost model is measured on pure states and interpolated in between, and full tensors only is
-#: the plan that cannot be wrong-footed by a prediction (it needs no decompression)
-PREFER_FULL_MARGIN = 0.03
+#: the plan that cannot be wrong-footed by a prediction (it needs no decompression). The margin is
+#: the model's measured error on mixes: on the H100 a mix predicted 5% faster ran 4% slower (§22k),
+#: on the CPU box one predicted 9% faster ran 4% slower and 4.5% faster in two rounds (§22l),
+#: while full tensors only was predicted within 0.88-1.14x. (3% until 6 Dec.)
+PREFER_FULL_MARGIN = 0.10
 #: how many of the search's best candidates (besides the single-pool plans) a replay judges again
 REPLAY_SHORTLIST = 12
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
