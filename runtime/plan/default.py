@@ -30,7 +30,7 @@ from pathlib import Path
 
 from zipmoe.units import format_size
 
-__all__ = ["STATS_FORMAT", "stats_path", "read_usage", "record_usage", "default_plan", "full_only_plan", "find_profile"]
+__all__ = ["STATS_FORMAT", "stats_path", "read_stats", "read_usage", "read_routing", "record_usage", "default_plan", "full_only_plan", "find_profile"]
 
 STATS_FORMAT = "zipmoe-stats/1"
 #: fewer recorded layer calls per sparse layer than this: the statistics are not used yet
@@ -41,12 +41,13 @@ def stats_path(cache_dir, container_id: str) -> Path:
     return Path(cache_dir) / "stats" / f"{container_id}.json"
 
 
-def read_usage(path, container_id: str) -> tuple[dict, int, str | None]:
-    """``(counts {layer: {expert: uses}}, layer calls recorded, warning or None)``; a missing
-    file is empty without a warning, an unreadable one empty with one."""
+def read_stats(path, container_id: str) -> tuple[dict, int, list, str | None]:
+    """The kept statistics in one read: ``(counts {layer: {expert: uses}}, layer calls recorded,
+    the most recent layer calls [(layer, (experts, ...)), ...] oldest first, warning or None)``;
+    a missing file is empty without a warning, an unreadable one empty with one."""
     p = Path(path)
     if not p.exists():
-        return {}, 0, None
+        return {}, 0, [], None
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
         if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
@@ -55,21 +56,21 @@ def read_usage(path, container_id: str) -> tuple[dict, int, str | None]:
             raise ValueError(f"it belongs to container {doc.get('container_id')}")
         counts = {str(int(l)): {str(int(e)): int(n) for e, n in per.items()} for l, per in doc["uses"].items()}
         calls = int(doc.get("layer_calls", 0))
+        routing = [(int(layer), tuple(int(e) for e in experts)) for layer, experts in doc.get("routing") or []]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        return {}, 0, f"activation statistics {p} are unusable ({exc}); starting afresh"
-    return counts, calls, None
+        return {}, 0, [], f"activation statistics {p} are unusable ({exc}); starting afresh"
+    return counts, calls, routing, None
+
+
+def read_usage(path, container_id: str) -> tuple[dict, int, str | None]:
+    """``(counts, layer calls recorded, warning or None)`` of :func:`read_stats`."""
+    counts, calls, _routing, warn = read_stats(path, container_id)
+    return counts, calls, warn
 
 
 def read_routing(path, container_id: str) -> list:
-    """The most recent layer calls kept with the statistics, ``[(layer, (experts, ...)), ...]``
-    oldest first; empty when there are none or the file is unusable (:func:`read_usage` warns)."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        if doc.get("format") != STATS_FORMAT or doc.get("container_id") != container_id:
-            return []
-        return [(int(layer), tuple(int(e) for e in experts)) for layer, experts in doc.get("routing") or []]
-    except (OSError, ValueError, TypeError, AttributeError):
-        return []
+    """The most recent layer calls of :func:`read_stats` (empty when the file is unusable)."""
+    return read_stats(path, container_id)[2]
 
 
 def record_usage(cache_dir, container_id: str, uses: dict, calls: int, routing=None) -> Path | None:
@@ -83,9 +84,8 @@ def record_usage(cache_dir, container_id: str, uses: dict, calls: int, routing=N
     if not uses or cache_dir is None:
         return None
     path = stats_path(cache_dir, container_id)
-    counts, kept, _warn = read_usage(path, container_id)
-    recent = (read_routing(path, container_id) if not _warn else []) + [
-        (int(layer), tuple(int(e) for e in experts)) for layer, experts in (routing or [])]
+    counts, kept, recent, _warn = read_stats(path, container_id)
+    recent = recent + [(int(layer), tuple(int(e) for e in experts)) for layer, experts in (routing or [])]
     added = 0
     for layer, per in uses.items():
         row = counts.setdefault(str(int(layer)), {})
@@ -162,7 +162,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return (full_only_plan(layout, budget, workers),
                 "default plan: full tensors only (no current profile of this machine and file cached; "
                 f"`zipmoe plan {Path(path).name} --budget {format_size(budget).replace(' ', '')}` measures one, then the pools are fitted at load)")
-    counts, calls, warn = read_usage(stats_path(cache_dir, cid), cid) if cache_dir is not None else ({}, 0, None)
+    counts, calls, recent, warn = read_stats(stats_path(cache_dir, cid), cid) if cache_dir is not None else ({}, 0, [], None)
     if calls < MIN_CALLS_PER_LAYER or not counts:
         line = ("default plan: full tensors only (no routing of this file recorded yet: the pools are fitted at load "
                 "once earlier runs have recorded it)")
@@ -175,8 +175,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({exc})"
     what = f"the activations of {calls} earlier layer calls of this file"
     if any(int(v) for k, v in plan["pools"].items() if k != "full"):
-        plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan,
-                                     read_routing(stats_path(cache_dir, cid), cid) if cache_dir is not None else [])
+        plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan, recent)
         if verdict:
             what += f"; {verdict}"
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
@@ -218,9 +217,7 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
         ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
     planner = Planner(layout, stats, prof, workers, layout.window(budget, workers))
     planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
-    sb, n = layout.slot_bytes, len(layout.decode_layers)
-    mix = {p: float(plan["pools"].get(p, 0)) / (sb[p] * n) for p in sb}
-    only = {p: (float(full["pools"]["full"]) / (sb["full"] * n) if p == "full" else 0.0) for p in sb}
+    mix, only = plan["slots"]["per_layer"], plan["alternatives"]["full only"]["slots"]
     ok, _halves = planner.beats_full(mix, only)
     t_mix, t_full = planner.judged_s(mix), planner.judged_s(only)
     judged = f"replayed {decode} recorded decode layer calls: the mix {1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms"
