@@ -37,7 +37,7 @@ class _FakeWorking:
         self.held = 0
         self.recycled = 0
 
-    def bytes_of(self, t) -> int:
+    def bytes_of(self, t, bufs=None) -> int:
         return t.full_bytes
 
     def hold(self, n):

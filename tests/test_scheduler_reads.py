@@ -105,3 +105,43 @@ def test_reads_shared_by_readers_stay_bit_identical(tmp_path_factory, family):
         finally:
             rt.close()
     assert figures[0] == figures[1]  # the same reads, counted the same, whoever read the pieces
+
+
+def test_an_idle_buffer_is_reused_up_to_the_limit_the_caller_counts():
+    """ReadBuffers.get: the smallest idle buffer from the size asked to ``limit`` (by default the
+    size and its slack); a read of half a tensor may so take the buffer a whole read of it left."""
+    from zipmoe.runtime.engine.reads import ReadBuffers, fresh_size, reuse_slack
+
+    b = ReadBuffers(Counters())
+    whole = b.get(160 * ALIGN)
+    assert len(whole) == fresh_size(160 * ALIGN) and b.made == 1
+    b.put([whole], max_idle=1 << 30)
+    half = 80 * ALIGN
+    assert len(whole) > half + reuse_slack(half)
+    fresh = b.get(half)  # the default limit: the whole buffer is too large
+    assert fresh is not whole and b.made == 2
+    b.put([fresh], max_idle=1 << 30)
+    assert b.get(half, limit=len(whole)) is fresh  # the smallest that fits comes first
+    assert b.get(half, limit=len(whole)) is whole and b.made == 2
+    b.put([whole], max_idle=1 << 30)
+    assert b.get(half, limit=len(whole) - 1) is not whole and b.made == 3  # never beyond the limit
+
+
+def test_a_fetch_counts_the_read_buffers_it_took():
+    """WorkingSet.bytes_of with the fetch's buffers: their lengths stand for a miss's staging
+    bytes (what a fetch of the tensor may take at most), the rest of its bytes unchanged."""
+    import mmap
+    from types import SimpleNamespace
+
+    from zipmoe.runtime.engine.reads import ReadBuffers
+    from zipmoe.runtime.engine.working import WorkingSet, working_bytes_of
+
+    t = SimpleNamespace(uid=3, full_bytes=2 * 4096 * 64, compute_bytes=2 * 4096 * 64, compute_itemsize=2,
+                        staging_bytes=lambda: 6 * 4096 * 16)
+    for staged in (False, True):
+        w = WorkingSet(ReadBuffers(), window=2, expert_working=1 << 24, staged=staged)
+        base = working_bytes_of(t) - (t.full_bytes if staged else 0)
+        assert w.bytes_of(t) == base
+        bufs = [mmap.mmap(-1, 5 * 4096), mmap.mmap(-1, 3 * 4096)]
+        assert w.bytes_of(t, bufs) == base - t.staging_bytes() + 8 * 4096
+        assert w.bytes_of(t, []) == base - t.staging_bytes()  # a compressed hit reads nothing

@@ -232,3 +232,58 @@ def test_a_finished_fetch_needs_no_cyclic_collector(tmp_path_factory, staged):
     assert fetched > 0
     assert not kept, f"{len(kept)} groups and fetches were freed only by the cyclic collector"
     rt.close()
+
+
+def _as_on_cuda(rt) -> None:
+    """The CUDA layout on the CPU, the working set included: a fetch counts no bf16 output (the
+    group's device buffer does) and the ring's slots come out of the window's room, so idle
+    read buffers have the little room they have on CUDA."""
+    rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
+    w = rt.working
+    w.staged, w.ring_bytes = True, rt.window * rt.staging_slot_bytes
+    w.expert_working = rt.expert_working + rt.staging_slot_bytes
+    w._bytes.clear()
+
+
+def test_reads_of_every_size_reuse_the_read_buffers_with_host_pools(tmp_path_factory):
+    """A mixed plan reads tensors whole (misses), their SM half (E-only hits) and their E half
+    (SM-only hits). Each fetch counts the read buffers it took, and may take an idle buffer up to
+    a miss's size: on the CUDA layout the reads then reuse the buffers instead of mapping a fresh
+    one for most of them (docs/runtime.md, "Read buffers"; before: a fresh mapping for about half
+    of the fetched tensors, and as many unmapped). Bit identity and the window's room hold."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.codecs.writer import pack
+    from zipmoe.runtime import synth
+
+    # the qwen2_moe "small" preset's shapes (2 of its layers): reads of a whole tensor, of its SM
+    # half and of its E half differ by more than a buffer's slack (the tiny fixture's do not)
+    work = tmp_path_factory.mktemp("mixreads")
+    src, path = work / "src", work / "small.zmoe"
+    synth.write("qwen2_moe", src, preset="small", layers=2, layout="fused", progress=False)
+    pack(src, path)  # (3.6 s here)
+    req = requirements(path, workers=2)
+    with ContainerReader(path) as r:
+        cid = r.container_id
+    probe, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=2, prefetch=False)
+    full = probe.zipmoe.expert_bytes_full
+    probe.zipmoe.close()
+    plan = {"container_id": cid, "pools": {"full": full // 10, "compressed": 0, "sm_only": full // 10, "e_only": 2 * full // 5}}
+    model, _ = zipmoe.load(path, budget=req["budget_for"](1.0), workers=2, prefetch=True, plan=plan)
+    rt = model.zipmoe
+    _as_on_cuda(rt)
+    ref = reference(src)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    with torch.no_grad():
+        for seed in range(8):
+            batch = inputs(vocab, False, batch=1, seq=2, seed=seed)
+            assert torch.equal(model(**batch).logits, ref(**batch).logits)
+    c = rt.counters
+    fetched = sum(n for s, n in c.hits.items() if s != "full")
+    assert c.hits["e_only"] > 0 and c.hits["sm_only"] > 0 and c.hits["none"] > 0
+    # (the buffers of the first window's fetches, and a few more: 13 of 224 fetched tensors here;
+    # before, 136)
+    assert c.fresh_buffers <= 2 * rt.window * 2 + fetched // 20, (c.fresh_buffers, fetched)
+    w = rt.working
+    assert w.inflight == 0
+    assert rt.store.buffers.idle_bytes <= w.window * w.expert_working - w.ring_bytes
+    rt.close()

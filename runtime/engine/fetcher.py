@@ -207,9 +207,9 @@ class Fetcher:
                     f.sm_parts = data
             elif st == "e_only":
                 f.e_parts = cache.get(t.uid)
-            need += self.working.bytes_of(t)
             if any(_reads_of(st)):
                 self.reader.prepare(f)
+            need += self.working.bytes_of(t, f.bufs)
             f.done = done
             g.fetches.append(f)
         into[key] = g
@@ -305,10 +305,12 @@ class Fetcher:
     def _admit(self, fetches) -> None:
         """Offer a computed expert's tensors to the cache, in the forms the device side made."""
         cache = self.cache
+        forms = self.device.forms
+        pools = cache.open_pools
         for f in fetches:
             if f is None:
                 continue
-            cache.offer(f.tensor.uid, self.device.forms(f))
+            cache.offer(f.tensor.uid, forms(f, pools))
             f.out = f.w = None
 
     def _run(self, layer, experts, tensors, states, compute, predict=None, admit: bool = True) -> None:

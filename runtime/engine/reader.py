@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from zipmoe.runtime.engine.fetch import _Cancelled, _Fetch, _reads_of, fan_out, report_failure
-from zipmoe.runtime.engine.reads import slice_of
+from zipmoe.runtime.engine.reads import fresh_size, slice_of
 from zipmoe.runtime.engine.workers import PriorityWorkers
 
 __all__ = ["Reader"]
@@ -34,8 +34,24 @@ class Reader:
         """Before ``f`` holds its bytes: what it reads, and its read buffers (idle ones first, so
         that the hold that follows counts them as this fetch's and not as idle)."""
         store = self.store
-        f.ranges = f.tensor.ranges(*_reads_of(f.state))
-        f.bufs = [store.buffers.get(store.buffer_size(off, ln)) for off, ln in f.ranges]
+        t = f.tensor
+        f.ranges = ranges = t.ranges(*_reads_of(f.state))
+        get = store.buffers.get
+        if len(ranges) == 1:
+            # what the working set counts for this fetch's buffers is a miss's (the tensor's
+            # staging bytes), whatever this fetch reads: an idle buffer up to that size will do
+            off, ln = ranges[0]
+            f.bufs = [get(store.buffer_size(off, ln), t.staging_bytes())]
+            return
+        sizes = [store.buffer_size(off, ln) for off, ln in ranges]
+        # each buffer may take what the others' fresh sizes leave of that count
+        room = t.staging_bytes() - sum(fresh_size(n) for n in sizes)
+        bufs = []
+        for n in sizes:
+            m = get(n, fresh_size(n) + room)
+            room -= len(m) - fresh_size(n)
+            bufs.append(m)
+        f.bufs = bufs
 
     def submit(self, rank, f: _Fetch, then) -> None:
         self.io.submit(rank, self._read_then_decode, f, then, rank)

@@ -34,6 +34,13 @@ def reuse_slack(n: int) -> int:
     return max(_REUSE_SLACK_MIN, n // 16)
 
 
+def fresh_size(size: int) -> int:
+    """The length of a new buffer for a read of ``size`` bytes: a little room above it, so that
+    the next read of this tensor (whose compressed size may differ slightly) reuses it; page
+    aligned (anonymous memory always is). At most ``size + reuse_slack(size)``."""
+    return -(-(size + reuse_slack(size) // 2) // ALIGN) * ALIGN
+
+
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for off, ln in sorted(r for r in ranges if r[1] > 0):
@@ -47,10 +54,18 @@ def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class ReadBuffers:
     """Page-aligned buffers for O_DIRECT reads, kept for reuse (see the module doc).
 
-    :meth:`get` returns an idle buffer at least as large as asked and at most
-    :func:`reuse_slack` larger (the smallest such), else a new one; :meth:`put` takes buffers
-    back and drops the largest idle ones beyond ``max_idle`` bytes. A buffer is handed back only
-    when no view into it is used any more (the runtime copies what its cache keeps).
+    :meth:`get` returns the smallest idle buffer at least as large as asked and at most
+    ``limit`` bytes (default: :func:`reuse_slack` larger than asked), else a new one
+    (:func:`fresh_size`); :meth:`put` takes buffers back and drops the largest idle ones beyond
+    ``max_idle`` bytes. A buffer is handed back only when no view into it is used any more (the
+    runtime copies what its cache keeps).
+
+    The runtime passes as ``limit`` what its working set already counts for the fetch
+    (``Reader.prepare``: a tensor's reads of a miss, whatever it reads now), so that a read of
+    the SM half alone (an E-only hit) takes the idle buffer a miss of that tensor left instead of
+    mapping a fresh one. With host pools on CUDA, whose window leaves idle buffers little room,
+    reads of three sizes had nearly every one map a fresh buffer (a page fault per 4 KiB on the
+    reader) and unmap another (on the serving thread): docs/runtime.md, "Read buffers".
     """
 
     def __init__(self, counters=None) -> None:
@@ -63,8 +78,8 @@ class ReadBuffers:
         self.reused = 0
         self.made = 0
 
-    def get(self, size: int) -> mmap.mmap:
-        limit = size + reuse_slack(size)
+    def get(self, size: int, limit: int | None = None) -> mmap.mmap:
+        limit = max(size + reuse_slack(size), 0 if limit is None else int(limit))
         with self._lock:
             best = None
             for i, m in enumerate(self._idle):
@@ -78,10 +93,7 @@ class ReadBuffers:
             self.made += 1
         if self._counters is not None:
             self._counters.add_fresh_buffer()
-        # a little room above the size, so that the next read of this tensor (whose compressed
-        # size may differ slightly) reuses it; page aligned (anonymous memory always is)
-        cap = -(-(size + reuse_slack(size) // 2) // ALIGN) * ALIGN
-        return mmap.mmap(-1, cap)
+        return mmap.mmap(-1, fresh_size(size))
 
     def put(self, bufs, max_idle: int) -> None:
         with self._lock:

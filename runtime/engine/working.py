@@ -45,13 +45,18 @@ class WorkingSet:
         self._on_change = on_change
         self._bytes: dict = {}  # uid -> (tensor, bytes_of): the same on every fetch of a tensor
 
-    def bytes_of(self, t) -> int:
+    def bytes_of(self, t, bufs=None) -> int:
         """A fetch's own working bytes (staged: its expert's device buffer and staging slot are
-        counted once per expert, by the group and by the ring)."""
+        counted once per expert, by the group and by the ring). ``bufs``: the read buffers the
+        fetch took (``Reader.prepare``), counted as they are instead of a miss's (the tensor's
+        staging bytes, the most a fetch of it may take): a fetch that reads half a tensor, or
+        nothing (a compressed hit), leaves the rest of the window's room to idle buffers."""
         memo = self._bytes.get(t.uid)
         if memo is None or memo[0] is not t:
-            memo = self._bytes[t.uid] = (t, working_bytes_of(t) - (t.full_bytes if self.staged else 0))
-        return memo[1]
+            memo = self._bytes[t.uid] = (t, working_bytes_of(t) - (t.full_bytes if self.staged else 0), t.staging_bytes())
+        if bufs is None:
+            return memo[1]
+        return memo[1] - memo[2] + sum(len(b) for b in bufs)
 
     def _idle_room(self) -> int:
         return self.window * self.expert_working - self.ring_bytes - self.inflight
