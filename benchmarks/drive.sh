@@ -247,7 +247,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     wait_bg  # the profile's passes time the GPU: nothing else on it
     # the serving thread's host work per fetched tensor, the code in .before/ and this code alternating
     # (benchmarks/profile_fetch.py: every chosen tensor a compressed hit, then every one a miss)
-    [ "${CACHE_HOST_AB:-1}" != 0 ] && stage host-ab 240 host_ab
+    [ "${CACHE_HOST_AB:-1}" != 0 ] && stage host-ab "${HOST_AB_LIMIT:-480}" host_ab
     # the profile, one calibration (its routing is also kept in the cache folder, so zipmoe-default
     # fits its plan at load from it), then one plan per budget judged by replaying that trace
     stage qwen-plan "${PLAN_LIMIT:-$([ -z "$SYNTH_LAYERS" ] && echo 600 || echo 360)}" hl qwen-plan  # 24 layers: 389 s on the H100 (§22g)
@@ -735,7 +735,13 @@ host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and
     x cd /tmp
     x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 \
         --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8 --repeat 3 --rounds "${HOST_AB_ROUNDS:-2}" \
-        --compare-with "$SITE-before" --json "$WORK/host-ab.json"
+        --served "${HOST_AB_SERVED:-0.3}" --profile --compare-with "$SITE-before" --json "$WORK/host-ab.json"
+    # the same with a mixed plan's pools in the served pass (HOST_AB_MIX; empty: not): reads of three sizes
+    [ -n "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" ] && x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
+        --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
+        --steps 8 --repeat 3 --rounds "${HOST_AB_MIX_ROUNDS:-1}" --served "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" \
+        --compare-with "$SITE-before" --json "$WORK/host-ab-mix.json"
+    true
 }
 
 before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before

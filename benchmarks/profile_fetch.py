@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/profile_fetch.py [--work /tmp/pf] [--preset small] [--layers N]
         [--experts N] [--device cpu|cuda] [--workers 1] [--threads 1] [--steps 8] [--repeat 3]
-        [--staged] [--profile] [--json FILE]
+        [--staged] [--served F] [--profile] [--json FILE]
     .venv/bin/python benchmarks/profile_fetch.py --compare-with /tmp/zmoe_before/site --rounds 3 [--after-path DIR] [...]
 
 Builds (once, in ``--work``) a synthetic qwen2_moe checkpoint (``--preset``, fused layout; with
@@ -16,6 +16,11 @@ ids) in two passes, as the planner's served passes do (runtime/plan/passes.py):
   (decompress E, merge, compute, no read);
 * ``miss``: the runtime's own cache cleared before every step: every chosen tensor is read,
   decompressed, merged, computed and admitted.
+* ``served`` (``--served F``, e.g. 0.3): a second load whose only pool is a full pool holding the
+  fraction F of the experts (a full-tensors-only plan; ``--served full=0.1,e_only=0.4``: a mix of
+  pools, each this fraction of the experts' bf16 bytes), prefetch on, fresh random tokens every
+  sweep after one sweep to fill the pool: misses, evictions, prefetches used and dropped, as in
+  a served run whose disk binds (the host work bench's counters report, docs/benchmarks.md §22l).
 
 Per fetched tensor (a compute tensor that was not a full-pool hit), from the runtime's counters
 (``model.zipmoe.counters``, the delta over the timed steps; medians over ``--repeat`` sweeps):
@@ -157,6 +162,7 @@ def per_tensor(d: dict) -> dict:
     out["makespan"] = 1e6 * makespan / n
     out["fetched_per_step"] = fetched / max(1, d.get("_steps", 1))
     out["fetched"] = fetched
+    out["fresh_buffers"] = d.get("fresh_buffers", 0)  # read buffers newly mapped (each unmapped again later)
     out["hits"] = dict(d["hits"])
     return out
 
@@ -202,6 +208,22 @@ def _top(prof, n: int = 25, sort: str = "tottime") -> str:
     return s.getvalue()
 
 
+def _force_staged(rt) -> None:
+    """The CUDA layout on the CPU (as tests/test_staging.py forces it): the staging ring, the
+    group's one buffer, the merge at stage time (synchronous here), and the working set counting
+    as on CUDA (a fetch's own bytes without its bf16 output, the ring's bytes out of the window's
+    idle room for read buffers: otherwise nearly every read maps a fresh buffer, which CUDA's
+    full-tensors-only runs never do)."""
+    from zipmoe.runtime.engine.staging import StagingRing
+
+    rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
+    w = rt.working
+    w.staged = True
+    w.ring_bytes = rt.window * rt.staging_slot_bytes
+    w.expert_working = rt.expert_working + rt.staging_slot_bytes  # as engine/core.py _sizes on CUDA
+    w._bytes.clear()
+
+
 def measure(a) -> dict:
     import torch
 
@@ -224,9 +246,7 @@ def measure(a) -> dict:
     if a.staged and not device.startswith("cuda"):
         # the CUDA layout on the CPU (as tests/test_staging.py forces it): the staging ring, the
         # group's one buffer, the merge at stage time (synchronous here)
-        from zipmoe.runtime.engine.staging import StagingRing
-
-        rt.fetcher.device = rt.device_side(StagingRing(rt.window, rt.staging_slot_bytes, pin=False), device_merge=True)
+        _force_staged(rt)
     loop = DecodeLoop(model, context=a.steps + 8, graphs="off")
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(0, model.config.vocab_size, (a.steps + 1,), generator=g)
@@ -262,9 +282,75 @@ def measure(a) -> dict:
         clear = rt.cache.clear
         _sweep(loop, first, tokens, clear, device)
         measure("miss", clear)
-    result["profiles"] = profiles
     rt.close()
+    if a.served:
+        measure_served(a, path, budget, extra, result, profiles)
+    result["profiles"] = profiles
     return result
+
+
+def served_pools(spec) -> dict:
+    """``--served``: ``F`` (a full pool holding the fraction F of the experts' bf16 bytes, nothing
+    else) or ``POOL=F,...`` (e.g. ``full=0.1,sm_only=0.1,e_only=0.4``: a mixed plan)."""
+    pools = {"full": 0.0, "compressed": 0.0, "sm_only": 0.0, "e_only": 0.0}
+    spec = str(spec)
+    if "=" not in spec:
+        pools["full"] = float(spec)
+        return pools
+    for part in spec.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in pools:
+            raise SystemExit(f"--served: unknown pool {k.strip()!r} (full, compressed, sm_only, e_only)")
+        pools[k.strip()] = float(v)
+    return pools
+
+
+def measure_served(a, path, budget, extra, result, profiles) -> None:
+    """The ``served`` pass: the full pool holding ``a.served`` of the experts' bf16 bytes (no
+    other pool, as a full-tensors-only plan), prefetch on, fresh random tokens every sweep
+    (after one sweep of others to fill the pool): admissions evict, prefetches are used and
+    dropped, as in a served run whose disk binds (docs/benchmarks.md §22l)."""
+    import torch
+
+    import zipmoe
+    from zipmoe.runtime.engine.loop import DecodeLoop
+
+    probe, _ = zipmoe.load(path, budget=budget, device=a.device, workers=a.workers, threads=a.threads,
+                           prefetch=False, **extra)
+    full = probe.zipmoe.expert_bytes_full
+    probe.zipmoe.close()
+    del probe
+    from zipmoe.codecs.reader import ContainerReader
+
+    with ContainerReader(path) as r:
+        cid = r.container_id
+    plan = {"container_id": cid, "pools": {k: int(f * full) for k, f in served_pools(a.served).items()}}
+    model, _ = zipmoe.load(path, budget=budget, device=a.device, workers=a.workers, threads=a.threads,
+                           prefetch=True, plan=plan, **extra)
+    rt = model.zipmoe
+    if a.staged and not a.device.startswith("cuda"):
+        _force_staged(rt)
+    loop = DecodeLoop(model, context=a.steps + 8, graphs="off")
+    g = torch.Generator().manual_seed(a.seed + 1)
+
+    def fresh():
+        ids = torch.randint(0, model.config.vocab_size, (a.steps + 1,), generator=g)
+        return ids[:1][None].to(a.device), [ids[i : i + 1].to(a.device) for i in range(1, a.steps + 1)]
+
+    runs = []
+    with torch.inference_mode():
+        _sweep(loop, *fresh(), device=a.device)
+        for _ in range(a.repeat):
+            d = _timed(rt, loop, *fresh(), None, a.device)
+            d["_steps"] = a.steps
+            runs.append(per_tensor(d))
+        if a.profile:
+            prof = cProfile.Profile()
+            _timed(rt, loop, *fresh(), None, a.device, prof)
+            profiles["served"] = _top(prof, a.top, a.sort)
+    result["passes"]["served"] = runs
+    result["served_fraction"] = a.served
+    rt.close()
 
 
 def medians(runs: list) -> dict:
@@ -328,7 +414,7 @@ def compare(a, argv: list) -> int:
                 for p, v in res["passes"].items()), file=sys.stderr, flush=True)
     summary = {}
     for label, results in got.items():
-        for p in ("compressed", "miss"):
+        for p in results[0]["passes"]:
             runs = [x for res in results for x in res["passes"][p]]
             summary[f"{p} {label}"] = medians(runs)
     first = got["after"][0]
@@ -360,6 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--staged", action="store_true", help="on the CPU: the staging ring, the device merge and the full pool's slots as on CUDA")
+    ap.add_argument("--served", default=None,
+                    help="also the served pass: F (a full pool holding this fraction of the experts) or POOL=F,... "
+                         "(a mix), prefetch on, fresh tokens")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sort", default="tottime", choices=("tottime", "cumtime"),
                     help="--profile's order: self time (default) or cumulative time")

@@ -135,6 +135,8 @@ class ExpertCache:
         from ``pool_name`` keeps (the cascade); None or ``{}`` drops it. Without it, evicted
         tensors are dropped. ``age_every``: halve every count after this many touches (0: never)."""
         self.pools = {name: Pool(name, capacities.get(name, 0)) for name in POOLS}
+        # the pools that can hold anything (capacities are fixed): what an admission offers to
+        self.open_pools = frozenset(name for name, p in self.pools.items() if p.capacity > 0)
         self.demote = demote  # None: no cascade (planner_check --no-cascade)
         self.demotions = 0  # evicted tensors that went to a lower pool
         self.state: dict[int, str] = {}

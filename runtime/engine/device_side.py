@@ -131,20 +131,23 @@ class DeviceSide:
                 if f.w is not f.out:
                     f.out = None
 
-    def forms(self, f) -> dict:
+    def forms(self, f, pools=None) -> dict:
         """What the cache may keep of a computed fetch, per pool: ``{pool: (bytes, data)}`` (the
-        lower pools' data as a callable, copied only if a pool takes it)."""
+        lower pools' data as a callable, copied only if a pool takes it). ``pools``: only these
+        (the cache's ``open_pools``: a pool of no capacity takes nothing); None: all four."""
         t = f.tensor
+        forms = {}
         # the full pool's data: with slots the pool copies it into a slot; else the tensor itself,
         # or its own copy when it is a view of a group's buffer (made only if the pool takes it)
-        forms = {"full": (t.compute_bytes, f.w if self.slotted else (lambda w=f.w: own_device(w)))}
-        if f.e_parts is not None and f.sm_parts is not None:
-            e_parts, sm_parts = f.e_parts, f.sm_parts
+        if pools is None or "full" in pools:
+            forms["full"] = (t.compute_bytes, f.w if self.slotted else (lambda w=f.w: own_device(w)))
+        e_parts, sm_parts = f.e_parts, f.sm_parts
+        if e_parts is not None and sm_parts is not None and (pools is None or "compressed" in pools):
             forms["compressed"] = (t.e_bytes + t.sm_bytes, lambda e=e_parts, s=sm_parts: (own_parts(e), own_parts(s)))
-        if f.sm_parts is not None:
-            forms["sm_only"] = (t.sm_bytes, lambda s=f.sm_parts: own_parts(s))
-        if f.e_parts is not None:
-            forms["e_only"] = (t.e_bytes, lambda e=f.e_parts: own_parts(e))
+        if sm_parts is not None and (pools is None or "sm_only" in pools):
+            forms["sm_only"] = (t.sm_bytes, lambda s=sm_parts: own_parts(s))
+        if e_parts is not None and (pools is None or "e_only" in pools):
+            forms["e_only"] = (t.e_bytes, lambda e=e_parts: own_parts(e))
         return forms
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from zipmoe.runtime.engine.order import Task, order as priority_order
+from zipmoe.runtime.engine.order import priority
 from zipmoe.runtime.engine.tensors import ExpertTensor
 
 __all__ = ["issue_order", "expert_type", "PREFETCH_RANK", "report_failure", "fan_out"]
@@ -33,16 +33,22 @@ def issue_order(experts: list, states: dict, tensors: dict) -> tuple[list, dict]
     Ranks come from :func:`schedule_model.order` over the layer's tensor tasks; an expert's
     place is its best-ranked tensor's. Returns ``(experts, {uid: rank})``.
     """
-    tasks, uids = [], []
+    # the keys :func:`schedule_model.order` sorts :class:`Task` records by, from the tensors' sizes
+    # (a Task per tensor per layer call was the largest piece of the serving thread's issue)
+    keys = []
+    best = {}  # expert -> its best-ranked tensor's key
     for e in experts:
+        b = None
         for t, st in zip(tensors[e], states[e]):
-            tasks.append(Task(st or "none", t.full_bytes, t.e_bytes, t.sm_bytes, expert=e))
-            uids.append(t.uid)
-    rank = {}
-    for r, i in enumerate(priority_order(tasks)):
-        rank[uids[i]] = r
-    need = [e for e in experts if expert_type(states[e]) != "full"]
-    need.sort(key=lambda e: min(rank[t.uid] for t in tensors[e]))
+            k = (*priority(st or "none", t.full_bytes, t.e_bytes, t.sm_bytes), len(keys), t.uid)
+            keys.append(k)
+            if b is None or k < b:
+                b = k
+        if expert_type(states[e]) != "full":
+            best[e] = b
+    keys.sort()
+    rank = {k[3]: r for r, k in enumerate(keys)}
+    need = sorted(best, key=best.__getitem__)
     return need, rank
 
 

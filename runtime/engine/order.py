@@ -63,16 +63,25 @@ class Task:
         return 0
 
 
+def priority(state: str, nbytes: int, e_bytes: int, sm_bytes: int) -> tuple[int, int]:
+    """A task's place in the priority list, before ties (broken by the task's index): its class
+    (none < e_only < sm_only < compressed < full), then the largest decompression first for a
+    compressed task (fills the workers, LPT), else the shortest read first (releases decode work
+    early). :func:`order` sorts by it; the fetcher's :func:`~zipmoe.runtime.engine.fetch.issue_order`
+    computes it straight from a tensor's sizes, with no :class:`Task` per tensor."""
+    if state == "compressed":
+        return 3, -nbytes
+    if state == "none":
+        return 0, e_bytes + sm_bytes
+    if state == "e_only":
+        return 1, sm_bytes
+    if state == "sm_only":
+        return 2, e_bytes
+    return _CLASS[state], 0
+
+
 def order(tasks: Sequence[Task]) -> list[int]:
     """The priority list: indices of ``tasks``, first = most urgent (see the module docstring)."""
-
-    def key(i: int):
-        t = tasks[i]
-        c = _CLASS[t.state]
-        if t.state == "compressed":
-            second = -t.nbytes  # largest decompression first (fills the workers, LPT)
-        else:
-            second = t.read_bytes  # shortest read first: releases decode work early
-        return (c, second, i)
-
-    return sorted(range(len(tasks)), key=key)
+    keys = [(*priority(t.state, t.nbytes, t.e_bytes, t.sm_bytes), i) for i, t in enumerate(tasks)]
+    keys.sort()
+    return [k[2] for k in keys]

@@ -124,6 +124,9 @@ class SlotMap:
         self.arenas: dict[tuple, SlotArena] = {}
         for key in sorted(ns):
             self.arenas[key] = SlotArena(key, ns[key], key[1], dtype, self.device)
+        # the arenas are allocated once, whole: their bytes never change (held_bytes() reads this
+        # at every change of the working set)
+        self._nbytes = sum(a.nbytes for a in self.arenas.values())
         self.units = sorted({name for name, _ in ns})
         self.host = {u: np.full((len(self.layers), self.num_experts), -1, dtype=np.int64) for u in self.units}
         self.maps = {u: torch.full((len(self.layers), self.num_experts), -1, dtype=torch.int64, device=self.device)
@@ -143,7 +146,7 @@ class SlotMap:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arenas.values())
+        return self._nbytes
 
     def capacity_bytes(self) -> int:
         return self.nbytes
