@@ -741,6 +741,16 @@ host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and
         --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
         --steps 8 --repeat 3 --rounds "${HOST_AB_MIX_ROUNDS:-1}" --served "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" \
         --compare-with "$SITE-before" --json "$WORK/host-ab-mix.json"
+    # where the serving thread's time goes on CUDA, every thread apart (cProfile on Python 3.12 mixes
+    # them): py-spy (carried in .whl/) samples the served pass of this code; benchmarks/stacks.py
+    # reads it (its raw collapsed stacks come back in results.tgz)
+    if [ -x "${SITE:-}/bin/py-spy" ]; then
+        x "$SITE/bin/py-spy" record --threads --nonblocking --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
+            -o "$WORK/host-spy.txt" -- python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
+            --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
+            --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy.json"
+        x python3 "$REPO/benchmarks/stacks.py" "$WORK/host-spy.txt" --under measure_served/_timed --thread MainThread
+    fi
     true
 }
 
