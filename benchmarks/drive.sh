@@ -744,8 +744,16 @@ host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and
     # where the serving thread's time goes on CUDA, every thread apart (cProfile on Python 3.12 mixes
     # them): py-spy (carried in .whl/) samples the served pass of this code; benchmarks/stacks.py
     # reads it (its raw collapsed stacks come back in results.tgz)
-    if [ -x "${SITE:-}/bin/py-spy" ]; then
-        x "$SITE/bin/py-spy" record --threads --nonblocking --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
+    # (pip --target drops a wheel's scripts: the binary is taken out of the wheel itself)
+    local spy=/tmp/bin/py-spy w
+    for w in "$REPO"/.whl/py_spy-*.whl; do
+        [ -e "$w" ] && [ ! -x "$spy" ] && python3 -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+n = [m for m in z.namelist() if m.endswith(".data/scripts/py-spy")][0]
+open(sys.argv[2], "wb").write(z.read(n))' "$w" "$spy" && chmod +x "$spy"
+    done
+    if [ -x "$spy" ]; then
+        x "$spy" record --threads --nonblocking --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
             -o "$WORK/host-spy.txt" -- python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
             --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
             --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy.json"
