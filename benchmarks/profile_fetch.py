@@ -50,7 +50,9 @@ it sees every thread).
 
 ``--compare-with DIR``: run this script ``--rounds`` times alternately with ``PYTHONPATH=DIR``
 (a copy of the package before a change: ``DIR/zipmoe/...``) and without (the installed tree),
-in fresh processes, and print both medians side by side (the box is noisy: trust medians).
+in fresh processes, and print both medians side by side (the box is noisy: trust medians). The
+order alternates by round (before first, then after first, ...): with an even ``--rounds`` each
+side runs second as often as first.
 
 CUDA (``--device cuda``): the same passes with ``torch.cuda.synchronize()`` around the timed
 steps; the staging ring, the copy stream and the device merge are then in the figures.
@@ -373,6 +375,11 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def rounds_order(r: int) -> tuple:
+    """Round ``r``'s order of the two sides: before first in even rounds, after first in odd ones."""
+    return ("before", "after") if r % 2 == 0 else ("after", "before")
+
+
 def compare(a, argv: list) -> int:
     """Alternate fresh processes: before (PYTHONPATH=--compare-with) and after (this tree)."""
     base = [a for a in argv if True]
@@ -392,7 +399,10 @@ def compare(a, argv: list) -> int:
     got = {"before": [], "after": []}
     profiles = {}
     for r in range(a.rounds):
-        for label in ("before", "after"):
+        # ABBA: each side runs first in every other round, so that what the second process of a
+        # round meets (on the H200 of docs/benchmarks.md §22m the unchanged compute was 4-20% slower
+        # in the second process of each round) falls on both sides
+        for label in rounds_order(r):
             env = dict(os.environ)
             rest = env.pop("PYTHONPATH", "")
             side = a.compare_with if label == "before" else a.after_path

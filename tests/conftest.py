@@ -10,7 +10,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("NUMBA_NUM_THREADS", "2")
 
 
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script(NAME)``: the module benchmarks/NAME.py (a script, not part of the package)."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "stacks.py"
-
 RAW = """\
 thread (11): MainThread;main (profile_fetch.py:400);measure_served (profile_fetch.py:320);_load (/x/zipmoe/runtime/engine/loader.py:50) 40
 thread (11): MainThread;main (profile_fetch.py:400);measure_served (profile_fetch.py:330);_timed (profile_fetch.py:130);Fetcher._run (/x/zipmoe/runtime/engine/fetcher.py:300);Fetcher._admit (/x/zipmoe/runtime/engine/fetcher.py:310);ExpertCache.offer (/x/zipmoe/runtime/engine/cache.py:250);copy_ (/x/site-packages/torch/_tensor.py:9) 7
@@ -17,15 +12,8 @@ not a stack line
 """
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("stacks", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_samples_of_one_thread_under_a_frame_path_are_charged_to_the_runtime_frame_that_made_them():
-    st = _load()
+def test_samples_of_one_thread_under_a_frame_path_are_charged_to_the_runtime_frame_that_made_them(bench_script):
+    st = bench_script("stacks")
     t = st.tally(st.parse(RAW.splitlines(), "MainThread", "measure_served/_timed"))
     # the load (not under _timed), the worker and the pass outside measure_served are left out
     assert t["total"] == 10
@@ -37,8 +25,8 @@ def test_samples_of_one_thread_under_a_frame_path_are_charged_to_the_runtime_fra
     assert every["total"] == 109
 
 
-def test_a_file_without_the_thread_says_so_in_one_line(tmp_path, capsys):
-    st = _load()
+def test_a_file_without_the_thread_says_so_in_one_line(bench_script, tmp_path, capsys):
+    st = bench_script("stacks")
     f = tmp_path / "s.txt"
     f.write_text(RAW)
     assert st.main([str(f), "--thread", "nobody"]) == 1

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_fit.py"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("step_fit", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_the_line_recovers_a_known_step_and_miss_cost():
-    fit = _load()
+def test_the_line_recovers_a_known_step_and_miss_cost(bench_script):
+    fit = bench_script("step_fit")
     runs = [{"misses_per_step": m, "mean_step_s": 0.09 + 0.003 * m, "tensors_per_expert": 2} for m in (80, 55, 38)]
     f = fit.line(runs)
     assert f["intercept_s"] == pytest.approx(0.09) and f["per_miss_tensor_s"] == pytest.approx(0.003)
