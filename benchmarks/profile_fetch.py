@@ -36,6 +36,10 @@ Per fetched tensor (a compute tensor that was not a full-pool hit), from the run
   and waits not covered by work (on a one-worker CPU run the work is mostly serial, so ``rest``
   is close to ``host`` + hand-off latency; with overlapping workers it can go below ``host``).
 
+* ``host_counter`` taken apart (a second table): the runtime's ``counters.host_parts``
+  (``lookup``, ``issue``, ``report``, ``to_device``, ``release``), ``admit`` and ``other`` (the
+  rest of ``host_counter``: the loop's bookkeeping), where the tree has that split.
+
 * ``host_cpu``: the serving thread's CPU time in ``Fetcher.run`` minus its CPU time in the
   compute (``time.thread_time``: waits for the GIL, a core or the pipeline cost nothing but the
   wake-ups; the steadiest figure on a shared machine).
@@ -159,6 +163,8 @@ def per_tensor(d: dict) -> dict:
     out["rest"] = 1e6 * (makespan - sum(ts.get(k, 0.0) for k in ("read", "decode", "merge", "compute"))) / n
     if "host" in ts:
         out["host_counter"] = 1e6 * ts["host"] / n
+    for k, v in (d.get("host_parts") or {}).items():  # the runtime's own split of host_counter
+        out[f"host:{k}"] = 1e6 * v / n
     if "_host_cpu_s" in d:
         out["host_cpu"] = 1e6 * d["_host_cpu_s"] / n
     out["makespan"] = 1e6 * makespan / n
@@ -360,6 +366,28 @@ def medians(runs: list) -> dict:
     return {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
 
 
+def parts_table(rows: dict) -> str:
+    """The runtime's split of ``host_counter`` (``counters.host_parts``, and ``admit``), µs per
+    fetched tensor; ``other``: the rest of it (the loop's bookkeeping). Empty where the runtime
+    has no such split (a tree before it)."""
+    names = sorted({k.split(":", 1)[1] for m in rows.values() for k in m if k.startswith("host:")})
+    if not names:
+        return ""
+    cols = names + ["admit", "other", "host_counter"]
+    w = max(len(k) for k in rows) + 2
+    head = "host_counter, taken apart".ljust(w) + "".join(c.rjust(13) for c in cols)
+    lines = [head, "-" * len(head)]
+    for label, m in rows.items():
+        if not any(k.startswith("host:") for k in m):
+            lines.append(label.ljust(w) + "  (no split in this tree)")
+            continue
+        known = sum(m.get(f"host:{c}", 0.0) for c in names) + m.get("admit", 0.0)
+        vals = [m.get(f"host:{c}", 0.0) for c in names] + [m.get("admit", 0.0), m.get("host_counter", 0.0) - known,
+                                                           m.get("host_counter", 0.0)]
+        lines.append(label.ljust(w) + "".join(f"{v:13.1f}" for v in vals))
+    return "\n".join(lines)
+
+
 def table(rows: dict) -> str:
     """``rows``: {label: medians}; one line per label, µs per fetched tensor."""
     cols = list(CATEGORIES) + ["makespan"]
@@ -432,6 +460,9 @@ def compare(a, argv: list) -> int:
           f"readers {first['readers']}, window {first['window']}, {first['steps']} steps x {a.repeat} sweeps "
           f"x {a.rounds} rounds per side; {first['path']}")
     print(table(summary))
+    if parts_table(summary):
+        print()
+        print(parts_table(summary))
     for label, pr in profiles.items():
         for p, text in pr.items():
             print(f"\n--- serving thread, {p} pass, {label}: top functions by self time")
@@ -479,7 +510,11 @@ def main(argv=None) -> int:
         return 0
     print(f"device {res['device']}, workers {res['workers']}, torch threads {res['threads']}, readers "
           f"{res['readers']}, window {res['window']}, {res['steps']} steps x {a.repeat} sweeps; engine {res['engine']}")
-    print(table({p: medians(runs) for p, runs in res["passes"].items()}))
+    rows = {p: medians(runs) for p, runs in res["passes"].items()}
+    print(table(rows))
+    if parts_table(rows):
+        print()
+        print(parts_table(rows))
     for p, text in res["profiles"].items():
         print(f"\n--- serving thread, {p} pass: top functions by self time")
         print("\n".join(text.strip().splitlines()[: a.top + 8]))

@@ -238,6 +238,32 @@ def test_host_counter_leaves_out_compute_waits_and_the_predictor(tmp_path_factor
         rt.close()
 
 
+def test_host_parts_take_the_host_counter_apart(tmp_path_factory):
+    """``host_parts`` (lookup, issue, report, to_device, release) and ``admit`` are measured inside
+    ``time_s["host"]``: each part a layer with fetches has is counted, and together with ``admit``
+    they never exceed ``host``; the snapshot's delta keeps them."""
+    from zipmoe.runtime.engine.counters import HOST_PARTS, delta
+
+    src, path = container(tmp_path_factory, "olmoe")
+    req = requirements(path, workers=2)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, prefetch=True)
+    rt = model.zipmoe
+    try:
+        before = rt.counters.snapshot()
+        with torch.no_grad():
+            model(**inputs(_vocab(src), False, batch=1, seed=4))
+        d = delta(rt.counters.snapshot(), before)
+        parts, ts = d["host_parts"], d["time_s"]
+        assert set(parts) == set(HOST_PARTS)
+        assert d["prefetch"]["issued"] > 0 and sum(v for k, v in d["hits"].items() if k != "full") > 0
+        for k in ("lookup", "issue", "report", "release"):
+            assert parts[k] > 0, k
+        assert parts["to_device"] >= 0
+        assert sum(parts.values()) + ts["admit"] <= ts["host"] + 1e-6
+    finally:
+        rt.close()
+
+
 def test_prefetch_is_off_by_default_on_the_cpu(tmp_path_factory):
     src, path = container(tmp_path_factory, "mixtral")
     req = requirements(path, workers=2)

@@ -32,6 +32,14 @@ Fields (all plain numbers, JSON-serialisable through :meth:`Counters.snapshot`):
   serving thread's own work in a sparse layer's fetch, neither compute nor wait: lookup,
   placement, issue, staging, admission, release, bookkeeping; ``admit`` and ``stage`` are in it;
   divided by the fetched tensors, the host work per fetched tensor)
+* ``host_parts``: ``host`` taken apart (seconds, the serving thread's, in the fetch pipeline of
+  ``Fetcher.run``): ``lookup`` (every chosen tensor's use, hit state and pin), ``issue`` (the
+  fetches of an expert entering the window, demand and prefetch: read buffers, held bytes, the
+  staging slot, queueing the jobs), ``report`` (handling a finished fetch), ``to_device`` (the
+  compute stream's wait on the copy, the weights in the compute dtype), ``release`` (an
+  expert's bytes, buffers and slot given back); ``admit`` is ``time_s["admit"]``; what
+  ``host`` holds beyond these and ``admit`` is the loop's own bookkeeping (the issue order, the
+  prefetch plan)
 * ``layer_makespan_s``: per sparse layer (key: layer number as a string) ``[sum, count, max]`` of
   the wall time from the router's choice to the layer's output
 * ``peak_held_bytes``: the largest number of weight bytes the runtime held at once (dense +
@@ -58,9 +66,11 @@ import time
 
 from zipmoe.runtime.engine.states import STATES
 
-__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "prediction_quality"]
+__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "HOST_PARTS", "prediction_quality"]
 
 STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "predict", "host")
+#: the parts of ``time_s["host"]`` measured apart (``Counters.host_parts``)
+HOST_PARTS = ("lookup", "issue", "report", "to_device", "release")
 #: sparse layer calls ``Counters.recent_calls`` keeps (the calibration of the qwen1.5-moe shape: 3072)
 RECENT_CALLS = 3072
 
@@ -82,6 +92,7 @@ class Counters:
         self.expert_calls = 0
         self.layer_calls = 0
         self.time_s = {s: 0.0 for s in STAGES}
+        self.host_parts = {s: 0.0 for s in HOST_PARTS}  # written by the serving thread alone
         self.layer_makespan_s: dict[str, list] = {}
         self.peak_held_bytes = getattr(self, "peak_held_bytes", 0)
         self.checksum_failures = 0
@@ -185,6 +196,7 @@ class Counters:
                 "expert_calls": self.expert_calls,
                 "layer_calls": self.layer_calls,
                 "time_s": dict(self.time_s),
+                "host_parts": dict(self.host_parts),
                 "layer_makespan_s": copy.deepcopy(self.layer_makespan_s),
                 "peak_held_bytes": self.peak_held_bytes,
                 "checksum_failures": self.checksum_failures,

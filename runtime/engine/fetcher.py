@@ -128,6 +128,7 @@ class Fetcher:
         busy = ts["compute"] + ts["wait"] + ts["predict"]  # (only this thread adds to these three)
         try:
             tensors, states = self.lookup(layer, experts)
+            self.counters.host_parts["lookup"] += time.perf_counter() - start
             if predict is None and not self._pf and not self._pf_pending and \
                     all(expert_type(states[e]) == "full" for e in experts):
                 # everything whole (the common case with a large budget): no pipeline at all
@@ -187,6 +188,7 @@ class Fetcher:
         """Take the working bytes of expert ``e``'s fetches and submit them (one group, one
         window slot). The group is in ``into[key]`` before it holds anything, so that an
         interruption while it is queued still finds (and releases) it."""
+        t_issue = time.perf_counter()
         cache = self.cache
         staged = self.device.staged
         done = self._put_staged if staged else self._put
@@ -233,6 +235,7 @@ class Fetcher:
             last, first = g.latch.count_down(None)
             if last and first is None:  # every fetch finished while the others were queued
                 self._stage_done(g)
+        self.counters.host_parts["issue"] += time.perf_counter() - t_issue
         return g
 
     def _report(self, f, exc, ready: deque) -> None:
@@ -316,6 +319,8 @@ class Fetcher:
     def _run(self, layer, experts, tensors, states, compute, predict=None, admit: bool = True) -> None:
         cache = self.cache
         counters = self.counters
+        parts = counters.host_parts
+        clock = time.perf_counter
         device = self.device
         W = self.working.window
         # prefetched groups: those for this layer's chosen experts are adopted (used as if
@@ -373,10 +378,12 @@ class Fetcher:
                     counters.add_time("compute", time.perf_counter() - t0)
             while active or (order and not errors):
                 if not ready:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     f, exc = self._wait(self._q)
-                    counters.add_time("wait", time.perf_counter() - t0)
+                    t1 = clock()
+                    counters.add_time("wait", t1 - t0)
                     self._report(f, exc, ready)
+                    parts["report"] += clock() - t1
                     if not ready:
                         fill()  # a dropped prefetch may have freed a slot
                         continue
@@ -387,16 +394,20 @@ class Fetcher:
                     errors.extend(g.errors)
                 if not errors:
                     fl = g.fetches
+                    t0 = clock()
                     device.to_device(g)
                     device.finish(fl)
-                    t0 = time.perf_counter()
+                    t1 = clock()
+                    parts["to_device"] += t1 - t0
                     compute(e, weights_of(e))
-                    t1 = time.perf_counter()
-                    counters.add_time("compute", t1 - t0)
+                    t0 = clock()
+                    counters.add_time("compute", t0 - t1)
                     if admit:
                         self._admit(fl)
-                        counters.add_time("admit", time.perf_counter() - t1)
+                        counters.add_time("admit", clock() - t0)
+                t0 = clock()
                 self._release(g)
+                parts["release"] += clock() - t0
                 fill()
             if not self._pf and not self._pf_pending:
                 # nothing prefetched for the next layer (the last sparse layer, or prefetch
