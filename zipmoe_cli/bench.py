@@ -57,6 +57,10 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
                      "'full only' alternative); model: the profile's served state costs charged for this run's own routing "
                      "replayed through a cache with its pools (the cost model alone, batch 1); × = measured / predicted; "
                      "experts per decode layer call in each state (measured: the run's counters, prefill included)")
+    if not compact and bench_report.render_host_work(doc.get("summary", []), console=con):
+        notes.append("the serving thread per fetched tensor (a compute tensor that was not a full-pool hit), prefill "
+                     "included: host = its own work in the fetch pipeline (admit and the parts after it are in it; other: "
+                     "the loop's bookkeeping), predict and wait beside it (docs/runtime.md, 'Host work per fetched tensor')")
     if bw.get("bytes_per_s"):
         notes.append(f"disk {format_size(bw['bytes_per_s'])}/s ({bw.get('source')}); floor = bytes read per token / disk bandwidth")
     notes.append(f"cache: {doc.get('cold_mode')}" + ("" if doc.get("cold_mode") != "o_direct" else " (page cache could not be dropped)"))

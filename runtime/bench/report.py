@@ -108,6 +108,38 @@ def _hits(runs: list[dict]) -> dict | None:
     return dict(total) if found else None
 
 
+#: the serving thread's stages bench's host table shows per fetched tensor (counters ``time_s``)
+HOST_STAGES = ("host", "admit", "predict", "wait")
+
+
+def _host_work(runs: list[dict]) -> dict | None:
+    """The serving thread's work per fetched tensor (a compute tensor that was not a full-pool
+    hit), µs, over the runs together: ``host`` (its own work in the fetch pipeline), ``admit`` (in
+    it), the runtime's split of ``host`` (``counters.host_parts``, where it has one) and ``other``
+    (the rest of ``host``), ``predict`` and ``wait`` beside it; ``fetched`` per run. None where
+    no run has the runtime's counters or nothing was fetched."""
+    fetched, ts, parts, have_parts = 0, defaultdict(float), defaultdict(float), False
+    for r in runs:
+        c = r.get("counters")
+        if not isinstance(c, dict) or not isinstance(c.get("hits"), dict) or not isinstance(c.get("time_s"), dict):
+            continue
+        fetched += sum(v for k, v in c["hits"].items() if k != "full" and isinstance(v, (int, float)))
+        for k in HOST_STAGES:
+            ts[k] += c["time_s"].get(k) or 0.0
+        if isinstance(c.get("host_parts"), dict):
+            have_parts = True
+            for k, v in c["host_parts"].items():
+                parts[k] += v or 0.0
+    if not fetched:
+        return None
+    out = {k: 1e6 * ts[k] / fetched for k in HOST_STAGES}
+    out["fetched"] = fetched / len(runs)
+    if have_parts:
+        out["parts"] = {k: 1e6 * v / fetched for k, v in parts.items()}
+        out["parts"]["other"] = out["host"] - out["admit"] - sum(out["parts"].values())
+    return out
+
+
 def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
     """One row per (engine, budget, batch, new tokens) with median/min/max of every metric."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -123,6 +155,7 @@ def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:
         for m in METRICS:
             row[m] = stats(r.get(m) for r in rs)
         row["hits"] = _hits(rs)
+        row["host_work"] = _host_work(rs)
         notes = sorted({str(r["workload"]) for r in rs if r.get("workload") and str(r["workload"]) != workload})
         if notes:
             row["workload_notes"] = notes
@@ -400,6 +433,31 @@ def render_predictions(rows: list[dict], top_k: int | None = None, console=None)
         t.add_row(r["engine"], _fmt_budget(r["budget"]), str(r["batch"]), f"{r['generated']}/{r['new_tokens']}", _fmt_s(tp),
                   _fmt_s(pr), _fmt_x(_ratio(tp, pr)), _fmt_s(mo), _fmt_x(_ratio(tp, mo)), r.get("predicted_by") or "–",
                   _per_layer(r.get("predicted_hits")), _per_layer(measured_hits_per_layer(r, top_k)))
+    if console is not None:
+        console.print(t)
+    return t
+
+
+def render_host_work(rows: list[dict], console=None):
+    """The serving thread's work per fetched tensor (``row["host_work"]``), for the rows that
+    have it; None when none has."""
+    from rich.table import Table
+
+    keep = [r for r in rows if r.get("host_work")]
+    if not keep:
+        return None
+    names = sorted({k for r in keep for k in (r["host_work"].get("parts") or {}) if k != "other"})
+    t = Table(title="the serving thread's work per fetched tensor (µs)", title_justify="left", pad_edge=False)
+    cols = ["engine", "budget", "batch", "tokens", "fetched/run", "host", "admit", *names, "other", "predict", "wait"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "engine" else "right", no_wrap=True)
+    for r in keep:
+        h = r["host_work"]
+        p = h.get("parts") or {}
+        cells = [f"{h[k]:.0f}" for k in ("host", "admit")] + [f"{p[k]:.0f}" if k in p else "–" for k in names]
+        cells += [f"{p['other']:.0f}" if "other" in p else "–", f"{h['predict']:.0f}", f"{h['wait']:.0f}"]
+        t.add_row(r["engine"], _fmt_budget(r["budget"]), str(r["batch"]), f"{r['generated']}/{r['new_tokens']}",
+                  f"{h['fetched']:.0f}", *cells)
     if console is not None:
         console.print(t)
     return t
