@@ -241,15 +241,19 @@ def test_host_counter_leaves_out_compute_waits_and_the_predictor(tmp_path_factor
 def test_host_parts_take_the_host_counter_apart(tmp_path_factory):
     """``host_parts`` (lookup, issue, report, to_device, release) and ``admit`` are measured inside
     ``time_s["host"]``: each part a layer with fetches has is counted, and together with ``admit``
-    they never exceed ``host``; the snapshot's delta keeps them."""
+    they never exceed ``host``; the snapshot's delta keeps them; the warm start at load counts
+    none of them."""
     from zipmoe.runtime.engine.counters import HOST_PARTS, delta
 
     src, path = container(tmp_path_factory, "olmoe")
     req = requirements(path, workers=2)
-    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, prefetch=True)
+    model, _ = zipmoe.load(path, budget=req["budget_for"](0.3), workers=2, prefetch=True, warm=True)
     rt = model.zipmoe
     try:
         before = rt.counters.snapshot()
+        # the warm start fetched through the pipeline, but it is not serving: nothing counted as host
+        assert before["time_s"]["host"] == 0 and set(before["host_parts"].values()) == {0.0}
+        assert before["bytes_read"] > 0
         with torch.no_grad():
             model(**inputs(_vocab(src), False, batch=1, seed=4))
         d = delta(rt.counters.snapshot(), before)

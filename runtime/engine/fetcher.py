@@ -152,7 +152,12 @@ class Fetcher:
         tensors = {expert: self.expert_tensors[(layer, expert)]}
         states = {expert: [self.cache.state_of(t.uid) for t in tensors[expert]]}
         out = {}
-        self._run(layer, [expert], tensors, states, lambda e, w: out.setdefault(e, w), None, admit=False)
+        parts = dict(self.counters.host_parts)
+        try:
+            self._run(layer, [expert], tensors, states, lambda e, w: out.setdefault(e, w), None, admit=False)
+        finally:
+            # the warm start is not serving: like ``host``, which only ``run`` adds to, its parts stay as they were
+            self.counters.host_parts.update(parts)
         return out[expert]
 
     # --- fetch groups (one expert's fetches), shared by demand and prefetch
