@@ -163,7 +163,9 @@ def per_tensor(d: dict) -> dict:
     out["rest"] = 1e6 * (makespan - sum(ts.get(k, 0.0) for k in ("read", "decode", "merge", "compute"))) / n
     if "host" in ts:
         out["host_counter"] = 1e6 * ts["host"] / n
-    for k, v in (d.get("host_parts") or {}).items():  # the runtime's own split of host_counter
+    # the runtime's own split of host_counter (counters.host_work computes the same, but this
+    # script also runs against trees from before it: --compare-with)
+    for k, v in (d.get("host_parts") or {}).items():
         out[f"host:{k}"] = 1e6 * v / n
     if "_host_cpu_s" in d:
         out["host_cpu"] = 1e6 * d["_host_cpu_s"] / n

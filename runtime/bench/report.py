@@ -108,36 +108,13 @@ def _hits(runs: list[dict]) -> dict | None:
     return dict(total) if found else None
 
 
-#: the serving thread's stages bench's host table shows per fetched tensor (counters ``time_s``)
-HOST_STAGES = ("host", "admit", "predict", "wait")
-
-
 def _host_work(runs: list[dict]) -> dict | None:
-    """The serving thread's work per fetched tensor (a compute tensor that was not a full-pool
-    hit), µs, over the runs together: ``host`` (its own work in the fetch pipeline), ``admit`` (in
-    it), the runtime's split of ``host`` (``counters.host_parts``, where it has one) and ``other``
-    (the rest of ``host``), ``predict`` and ``wait`` beside it; ``fetched`` per run. None where
-    no run has the runtime's counters or nothing was fetched."""
-    fetched, ts, parts, have_parts = 0, defaultdict(float), defaultdict(float), False
-    for r in runs:
-        c = r.get("counters")
-        if not isinstance(c, dict) or not isinstance(c.get("hits"), dict) or not isinstance(c.get("time_s"), dict):
-            continue
-        fetched += sum(v for k, v in c["hits"].items() if k != "full" and isinstance(v, (int, float)))
-        for k in HOST_STAGES:
-            ts[k] += c["time_s"].get(k) or 0.0
-        if isinstance(c.get("host_parts"), dict):
-            have_parts = True
-            for k, v in c["host_parts"].items():
-                parts[k] += v or 0.0
-    if not fetched:
-        return None
-    out = {k: 1e6 * ts[k] / fetched for k in HOST_STAGES}
-    out["fetched"] = fetched / len(runs)
-    if have_parts:
-        out["parts"] = {k: 1e6 * v / fetched for k, v in parts.items()}
-        out["parts"]["other"] = out["host"] - out["admit"] - sum(out["parts"].values())
-    return out
+    """The serving thread's work per fetched tensor over the runs together (counters'
+    :func:`~zipmoe.runtime.engine.counters.host_work`), None where no run has zipmoe's counters."""
+    from zipmoe.runtime.engine.counters import host_work
+
+    return host_work([r["counters"] for r in runs if isinstance(r.get("counters"), dict)
+                      and isinstance(r["counters"].get("hits"), dict)])
 
 
 def summarize(runs: list[dict], disk_bw: float | None) -> list[dict]:

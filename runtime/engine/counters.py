@@ -66,7 +66,8 @@ import time
 
 from zipmoe.runtime.engine.states import STATES
 
-__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "HOST_PARTS", "prediction_quality"]
+__all__ = ["Counters", "delta", "DecodeClock", "STATES", "STAGES", "HOST_PARTS", "prediction_quality", "fetched_tensors",
+           "host_work"]
 
 STAGES = ("read", "decode", "merge", "stage", "compute", "wait", "admit", "predict", "host")
 #: the parts of ``time_s["host"]`` measured apart (``Counters.host_parts``)
@@ -250,6 +251,35 @@ def delta(after: dict, before: dict) -> dict:
             out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items()}
         else:
             out[k] = v - (b or 0)
+    return out
+
+
+def fetched_tensors(snapshot: dict) -> int:
+    """The compute tensors a snapshot's (or delta's) layers fetched: every use that was not a
+    full-pool hit (what "per fetched tensor" divides by)."""
+    return sum(v for k, v in (snapshot.get("hits") or {}).items() if k != "full" and isinstance(v, (int, float)))
+
+
+#: the serving thread's stages :func:`host_work` gives per fetched tensor
+HOST_WORK_STAGES = ("host", "admit", "predict", "wait")
+
+
+def host_work(deltas: list) -> dict | None:
+    """The serving thread's work per fetched tensor over one or more counters deltas together,
+    in µs: ``host``, ``admit`` (part of it), ``predict`` and ``wait`` (beside it), ``fetched``
+    (per delta), and ``parts`` (``host_parts``, plus ``other``: the rest of ``host`` beyond them
+    and ``admit``) where the deltas have that split. None when nothing was fetched."""
+    deltas = [d for d in deltas if isinstance(d, dict) and isinstance(d.get("time_s"), dict)]
+    fetched = sum(fetched_tensors(d) for d in deltas)
+    if not fetched:
+        return None
+    out = {k: 1e6 * sum(d["time_s"].get(k) or 0.0 for d in deltas) / fetched for k in HOST_WORK_STAGES}
+    out["fetched"] = fetched / len(deltas)
+    split = [d["host_parts"] for d in deltas if isinstance(d.get("host_parts"), dict)]
+    if split:
+        parts = {k: 1e6 * sum(p.get(k) or 0.0 for p in split) / fetched for k in sorted({k for p in split for k in p})}
+        parts["other"] = out["host"] - out["admit"] - sum(parts.values())
+        out["parts"] = parts
     return out
 
 
