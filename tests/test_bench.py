@@ -649,3 +649,28 @@ def test_token_check_compares_the_argmax_under_teacher_forcing():
     runs.append(dict(base, engine="zipmoe", budget=1, workload="greedy", tokens=[[9, 9, 9]]))
     assert report.token_check(runs)["compared"] == 1
     assert len(report.summarize(runs, None)) == 3
+
+
+def test_preload_counts_model_code_in_the_baseline():
+    """The worker imports the family's modeling module (and, for zipmoe on the CPU, the numba merge
+    kernel) before it measures its own baseline: those hundreds of MiB belong to the process, not
+    to the margin over the budget (the demo in float32 at 800M was killed by its cgroup without
+    it). In a fresh interpreter, so that nothing is imported already."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, json
+from zipmoe.runtime.bench.worker import preload_model_code
+before = "transformers.models.mixtral.modeling_mixtral" in sys.modules
+got = preload_model_code({"model_type": "mixtral", "engine": "zipmoe", "device": "cpu"})
+bad = preload_model_code({"model_type": "no_such_model", "engine": "accelerate", "device": "cpu"})
+odd = preload_model_code({"model_type": "../x", "engine": "zipmoe", "device": "cuda"})
+print(json.dumps([before, got, "transformers.models.mixtral.modeling_mixtral" in sys.modules, bad, odd]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout.strip().splitlines()[-1]
+    before, got, after, bad, odd = json.loads(out)
+    assert not before and after
+    assert got == ["transformers.models.mixtral.modeling_mixtral", "zipmoe.kernels.cpu"]
+    assert bad == [] and odd == []  # unknown or odd names: nothing, no error (loading reports them)

@@ -523,6 +523,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 prog.describe(label)
             spec = {
                 "engine": eng, "device": device, "budget": budget, "container": str(cfg.container),
+                "model_type": config.get("model_type"),  # the worker imports its modeling code before measuring its baseline
                 "raw_container": str(raw) if raw else None, "source": str(source) if source else None, "gguf": str(gguf_file) if gguf_file else None,
                 "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
