@@ -758,6 +758,16 @@ open(sys.argv[2], "wb").write(z.read(n))' "$w" "$spy" && chmod +x "$spy"
             --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
             --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy.json"
         x python3 "$REPO/benchmarks/stacks.py" "$WORK/host-spy.txt" --under measure_served/_timed --thread MainThread
+        # the same pass sampled only while the serving thread holds the GIL (HOST_AB_SPY_GIL=0: not): a
+        # function's samples here against the run above are the share of its time it held the GIL
+        # (the rest: CUDA or numpy calls that release it, or waiting to take it back from 12 threads)
+        if [ "${HOST_AB_SPY_GIL:-1}" != 0 ]; then
+            x "$spy" record --threads --nonblocking --gil --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
+                -o "$WORK/host-spy-gil.txt" -- python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
+                --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
+                --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy-gil.json"
+            x python3 "$REPO/benchmarks/stacks.py" "$WORK/host-spy-gil.txt" --under measure_served/_timed --thread MainThread
+        fi
     fi
     true
 }
