@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zipmoe.runtime.engine.counters import fetched_tensors
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     for res in bench["results"]:
         for run in res["runs"]:
             c = run["counters"]
-            fetched = sum(v for k, v in c["hits"].items() if k != "full")
+            fetched = fetched_tensors(c)
             rt = (res.get("load_info") or {}).get("runtime") or {}
             runs.append((res["engine"], run, c, fetched, rt))
             if res["engine"] == "zipmoe-basic":
