@@ -731,13 +731,15 @@ decode_attention() {  # decode_gpu.py on the fidelity model at chat's context (F
 }
 
 host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and after, alternating, on CUDA
-    [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: skipped"; return 0; }
+    # (without a before install: this code alone, its parts and the py-spy samples below)
+    local ab=(--rounds "${HOST_AB_ROUNDS:-2}" --compare-with "${SITE:-}-before")
+    [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: this code alone"; ab=(); }
     x cd /tmp
     x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 \
-        --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8 --repeat 3 --rounds "${HOST_AB_ROUNDS:-2}" \
-        --served "${HOST_AB_SERVED:-0.3}" --profile --compare-with "$SITE-before" --json "$WORK/host-ab.json"
+        --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8 --repeat 3 \
+        --served "${HOST_AB_SERVED:-0.3}" --profile "${ab[@]}" --json "$WORK/host-ab.json"
     # the same with a mixed plan's pools in the served pass (HOST_AB_MIX; empty: not): reads of three sizes
-    [ -n "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" ] && x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
+    [ ${#ab[@]} -gt 0 ] && [ -n "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" ] && x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
         --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
         --steps 8 --repeat 3 --rounds "${HOST_AB_MIX_ROUNDS:-1}" --served "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" \
         --compare-with "$SITE-before" --json "$WORK/host-ab-mix.json"
