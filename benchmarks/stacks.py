@@ -1,7 +1,7 @@
 """Read py-spy's raw collapsed stacks (``py-spy record --threads --format raw``): where one thread's
 samples go, under one function.
 
-    python benchmarks/stacks.py STACKS.txt [--thread MainThread] [--under measure_served/_timed] [--top 30]
+    python benchmarks/stacks.py STACKS.txt[.gz] [--thread MainThread] [--under measure_served/_timed] [--top 30]
         [--owner runtime/]
 
 Prints the thread's samples under the frame named ``--under`` (a function name; ``a/b``: a frame
@@ -22,6 +22,7 @@ on-CPU (py-spy without ``--idle``), so that the figures are the thread's CPU, li
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 from collections import Counter
@@ -96,10 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args(argv)
     try:
-        with open(a.stacks, encoding="utf-8", errors="replace") as fh:
+        opener = gzip.open if a.stacks.endswith(".gz") else open  # results/ keeps the samples gzipped
+        with opener(a.stacks, "rt", encoding="utf-8", errors="replace") as fh:
             t = tally(parse(fh, a.thread or None, a.under), a.owner)
-    except OSError as e:
-        print(f"stacks: cannot read {a.stacks}: {e.strerror}", file=sys.stderr)
+    except (OSError, EOFError) as e:
+        print(f"stacks: cannot read {a.stacks}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 1
     if not t["total"]:
         print(f"stacks: no samples of thread {a.thread!r} under {a.under!r} in {a.stacks}", file=sys.stderr)
@@ -113,4 +115,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `| head`: the reader has all it wanted
+        sys.stderr.close()
+        sys.exit(0)

@@ -32,3 +32,21 @@ def test_a_file_without_the_thread_says_so_in_one_line(bench_script, tmp_path, c
     assert st.main([str(f), "--thread", "nobody"]) == 1
     assert "no samples of thread 'nobody'" in capsys.readouterr().err
     assert st.main([str(tmp_path / "missing.txt")]) == 1
+    (tmp_path / "bad.txt.gz").write_text("not gzip")
+    assert st.main([str(tmp_path / "bad.txt.gz")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_gzipped_samples_read_as_they_are_kept_in_results(bench_script, tmp_path, capsys):
+    import gzip
+
+    st = bench_script("stacks")
+    f = tmp_path / "s.txt.gz"
+    with gzip.open(f, "wt") as fh:
+        fh.write(RAW)
+    plain = tmp_path / "s.txt"
+    plain.write_text(RAW)
+    assert st.main([str(f)]) == 0
+    gz_out = capsys.readouterr().out
+    assert st.main([str(plain)]) == 0
+    assert capsys.readouterr().out == gz_out and "samples of thread 'MainThread'" in gz_out
