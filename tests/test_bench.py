@@ -666,14 +666,16 @@ before = "transformers.models.mixtral.modeling_mixtral" in sys.modules
 got = preload_model_code({"model_type": "mixtral", "engine": "zipmoe", "device": "cpu"})
 bad = preload_model_code({"model_type": "no_such_model", "engine": "accelerate", "device": "cpu"})
 odd = preload_model_code({"model_type": "../x", "engine": "accelerate", "device": "cpu"})
-print(json.dumps([before, got, "transformers.models.mixtral.modeling_mixtral" in sys.modules, bad, odd]))
+gguf = preload_model_code({"model_type": "mixtral", "engine": "llama.cpp", "device": "cpu"})
+print(json.dumps([before, got, "transformers.models.mixtral.modeling_mixtral" in sys.modules, bad, odd, gguf]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout.strip().splitlines()[-1]
-    before, got, after, bad, odd = json.loads(out)
+    before, got, after, bad, odd, gguf = json.loads(out)
     assert not before and after
     assert got == ["transformers.models.mixtral.modeling_mixtral", "zipmoe.kernels.cpu"]
     assert bad == [] and odd == []  # unknown or odd names: nothing, no error (loading reports them)
+    assert gguf == []  # llama.cpp builds no transformers model, and runs no zipmoe kernel
 
 
 @pytest.mark.gpu

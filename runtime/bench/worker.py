@@ -50,17 +50,19 @@ def preload_model_code(spec: dict) -> list[str]:
     with the default 256M margin. Returns what it imported (the worker's JSON says so)."""
     import importlib
 
+    from zipmoe.runtime.bench.engines import engine
+
+    kind = engine(spec["engine"]).kind  # "zipmoe" (zipmoe.load), "hf", "deepspeed", "llama.cpp", ...
     done = []
     mt = spec.get("model_type")
-    if isinstance(mt, str) and mt.isidentifier():
+    if kind != "llama.cpp" and isinstance(mt, str) and mt.isidentifier():  # llama.cpp builds no transformers model
         name = f"transformers.models.{mt}.modeling_{mt}"
         try:
             importlib.import_module(name)
             done.append(name)
         except Exception:  # noqa: BLE001 - a model transformers has no module for: loading says so itself
             pass
-    eng = str(spec.get("engine") or "")
-    if spec.get("device") == "cpu" and (eng.startswith("zipmoe") or eng == "uncompressed"):
+    if spec.get("device") == "cpu" and kind == "zipmoe":
         import numpy as np
 
         from zipmoe.kernels.cpu import merge_into
@@ -68,7 +70,7 @@ def preload_model_code(spec: dict) -> list[str]:
         merge_into(np.zeros(8, np.uint8), np.zeros(8, np.uint8), np.zeros(8, np.uint16))
         done.append("zipmoe.kernels.cpu")
     if spec.get("device") == "cuda":
-        done += _warm_cuda(eng.startswith("zipmoe") or eng == "uncompressed")
+        done += _warm_cuda(kind == "zipmoe")
     return done
 
 
@@ -705,7 +707,7 @@ def main() -> int:
             doc["gpu_memory_bytes"] = int(torch.cuda.get_device_properties(0).total_memory)
         from zipmoe.runtime.bench import cold, engines
 
-        if spec.get("engine", "").startswith("zipmoe") or spec.get("engine") == "uncompressed":
+        if engines.engine(spec["engine"]).kind == "zipmoe":
             from zipmoe.runtime.engine import loader  # noqa: F401  (its imports belong to the baseline, not to the budget)
         else:
             import transformers  # noqa: F401
