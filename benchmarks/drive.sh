@@ -734,44 +734,37 @@ host_ab() {  # profile_fetch.py before (.before/, installed in $SITE-before) and
     # (without a before install: this code alone, its parts and the py-spy samples below)
     local ab=(--rounds "${HOST_AB_ROUNDS:-2}" --compare-with "${SITE:-}-before")
     [ -d "${SITE:-}-before/zipmoe" ] || { echo "no before install: this code alone"; ab=(); }
+    # every pass below: the same two layers of qwen's shapes, 16 experts, 8 decode steps, on CUDA
+    local pf=(python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" --preset qwen1.5-moe-a2.7b --layers 2
+              --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8)
     x cd /tmp
-    x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 \
-        --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 --steps 8 --repeat 3 \
-        --served "${HOST_AB_SERVED:-0.3}" --profile "${ab[@]}" --json "$WORK/host-ab.json"
+    x "${pf[@]}" --repeat 3 --served "${HOST_AB_SERVED:-0.3}" --profile "${ab[@]}" --json "$WORK/host-ab.json"
     # the same with a mixed plan's pools in the served pass (HOST_AB_MIX; empty: not): reads of three sizes
-    [ ${#ab[@]} -gt 0 ] && [ -n "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" ] && x python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
-        --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
-        --steps 8 --repeat 3 --rounds "${HOST_AB_MIX_ROUNDS:-1}" --served "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" \
+    [ ${#ab[@]} -gt 0 ] && [ -n "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" ] && x "${pf[@]}" --repeat 3 \
+        --rounds "${HOST_AB_MIX_ROUNDS:-1}" --served "${HOST_AB_MIX-full=0.1,sm_only=0.1,e_only=0.4}" \
         --compare-with "$SITE-before" --json "$WORK/host-ab-mix.json"
     # where the serving thread's time goes on CUDA, every thread apart (cProfile on Python 3.12 mixes
     # them): py-spy (carried in .whl/) samples the served pass of this code; benchmarks/stacks.py
     # reads it (its raw collapsed stacks come back in results.tgz)
     # (pip --target drops a wheel's scripts: the binary is taken out of the wheel itself)
-    local spy=/tmp/bin/py-spy w
+    local spy=/tmp/bin/py-spy w gil tag
     for w in "$REPO"/.whl/py_spy-*.whl; do
         [ -e "$w" ] && [ ! -x "$spy" ] && python3 -c 'import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 n = [m for m in z.namelist() if m.endswith(".data/scripts/py-spy")][0]
 open(sys.argv[2], "wb").write(z.read(n))' "$w" "$spy" && chmod +x "$spy"
     done
-    if [ -x "$spy" ]; then
-        x "$spy" record --threads --nonblocking --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
-            -o "$WORK/host-spy.txt" -- python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
-            --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
-            --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy.json"
-        x python3 "$REPO/benchmarks/stacks.py" "$WORK/host-spy.txt" --under measure_served/_timed --thread MainThread
-        # the same pass sampled only while the serving thread holds the GIL (HOST_AB_SPY_GIL=0: not): a
-        # function's samples here against the run above are the share of its time it held the GIL
-        # (the rest: CUDA or numpy calls that release it, or waiting to take it back from 12 threads)
-        if [ "${HOST_AB_SPY_GIL:-1}" != 0 ]; then
-            x "$spy" record --threads --nonblocking --gil --rate "${HOST_AB_SPY_RATE:-500}" --format raw \
-                -o "$WORK/host-spy-gil.txt" -- python3 "$REPO/benchmarks/profile_fetch.py" --work "$WORK/pf" \
-                --preset qwen1.5-moe-a2.7b --layers 2 --experts 16 --device cuda --workers "${HOST_AB_WORKERS:-8}" --threads 8 \
-                --steps 8 --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/host-spy-gil.json"
-            x python3 "$REPO/benchmarks/stacks.py" "$WORK/host-spy-gil.txt" --under measure_served/_timed --thread MainThread
-        fi
-    fi
-    true
+    [ -x "$spy" ] || return 0
+    # on-CPU samples, then (HOST_AB_SPY_GIL=0: not) only those while the serving thread holds the
+    # GIL: a function's samples in the second against the first are the share of its time it held
+    # the GIL (the rest: CUDA or numpy calls that release it, or waiting to take it back from 12 threads)
+    for gil in "" --gil; do
+        [ -n "$gil" ] && [ "${HOST_AB_SPY_GIL:-1}" = 0 ] && continue
+        tag=host-spy${gil:+-gil}
+        x "$spy" record --threads --nonblocking $gil --rate "${HOST_AB_SPY_RATE:-500}" --format raw -o "$WORK/$tag.txt" -- \
+            "${pf[@]}" --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/$tag.json"
+        x python3 "$REPO/benchmarks/stacks.py" "$WORK/$tag.txt" --under measure_served/_timed --thread MainThread
+    done
 }
 
 before_install() {  # the code before the change (.before/: `git archive BASE | tar -x -C .before`, carried) into $SITE-before
