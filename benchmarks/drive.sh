@@ -764,6 +764,7 @@ open(sys.argv[2], "wb").write(z.read(n))' "$w" "$spy" && chmod +x "$spy"
         x "$spy" record --threads --nonblocking $gil --rate "${HOST_AB_SPY_RATE:-500}" --format raw -o "$WORK/$tag.txt" -- \
             "${pf[@]}" --repeat 5 --served "${HOST_AB_SERVED:-0.3}" --json "$WORK/$tag.json"
         x python3 "$REPO/benchmarks/stacks.py" "$WORK/$tag.txt" --under measure_served/_timed --thread MainThread
+        x gzip -f "$WORK/$tag.txt"  # (raw, it is over results.tgz's 8 MiB a file; stacks.py reads the .gz)
     done
 }
 

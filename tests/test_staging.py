@@ -123,10 +123,12 @@ def test_forced_device_paths_with_a_small_ring_are_bit_identical(tmp_path_factor
     rt.close()
 
 
-def test_groups_are_staged_by_the_thread_that_finishes_them(tmp_path_factory, monkeypatch):
-    """The copy (and merge) of a finished group is queued by the reader or decode thread that
-    finished its last fetch, not by the serving thread (whose host work it was); a stage that
-    fails reaches the serving thread as that layer's error, and the pipeline stays usable."""
+def test_groups_are_staged_by_the_stager_thread(tmp_path_factory, monkeypatch):
+    """The copy (and merge) of a finished group is queued by the one stager thread, handed the
+    group by the reader or decode thread that finished its last fetch: not by the serving thread
+    (whose host work it was), nor by the many reader and decode threads (which contended for the
+    driver); a stage that fails reaches the serving thread as that layer's error, and the
+    pipeline stays usable."""
     import threading
 
     from zipmoe.errors import ServingError
@@ -144,7 +146,7 @@ def test_groups_are_staged_by_the_thread_that_finishes_them(tmp_path_factory, mo
 
     def stage(self, g):
         if g.slot is not None:
-            where.append(threading.current_thread() is serving)
+            where.append(threading.current_thread().name)
         return orig(self, g)
 
     monkeypatch.setattr(DeviceSide, "stage", stage)
@@ -153,7 +155,8 @@ def test_groups_are_staged_by_the_thread_that_finishes_them(tmp_path_factory, mo
     batch = inputs(vocab, False, batch=2, seed=5)
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
-    assert where and not any(where), f"{sum(where)} of {len(where)} groups staged on the serving thread"
+    assert where and set(where) == {"zipmoe-stage-0"}, where
+    assert serving.name not in where
     assert rt.counters.time_s["stage"] > 0
 
     def broken(self, g):
@@ -169,7 +172,9 @@ def test_groups_are_staged_by_the_thread_that_finishes_them(tmp_path_factory, mo
         assert torch.equal(model(**batch).logits, ref(**batch).logits)
     ring = rt.fetcher.device.copies.ring
     assert len(ring.free) == ring.slots and rt._inflight == 0
+    stager = rt.fetcher._stager._threads
     rt.close()
+    assert not any(th.is_alive() for th in stager)  # close stops the stager with the other threads
 
 
 @pytest.mark.gpu

@@ -108,15 +108,21 @@ class DeviceSide:
         if self.counters is not None:
             self.counters.add_time("stage", time.perf_counter() - t0)
 
-    def to_device(self, g) -> None:
-        """Before ``g``'s expert computes: the compute stream waits for its copy (on the device,
-        not the host); its buffer is marked as used by that stream for the allocator."""
+    def compute_stream(self):
+        """The stream the serving thread computes on (None: not CUDA). Asked once per layer: the
+        call costs the serving thread more than the wait it is for."""
+        return torch.cuda.current_stream(self.device) if self.cuda and self.staged else None
+
+    def to_device(self, g, stream=None) -> None:
+        """Before ``g``'s expert computes: the compute stream (``stream``, from
+        :meth:`compute_stream`; None: asked here) waits for its copy (on the device, not the
+        host); its buffer is marked as used by that stream for the allocator."""
         if not self.staged:
             return
         if g.slot is not None:  # not staged yet (it is, as soon as its last fetch reports)
             self.stage(g)
         if g.event is not None:
-            s = torch.cuda.current_stream(self.device)
+            s = stream if stream is not None else torch.cuda.current_stream(self.device)
             s.wait_event(g.event)
             g.dev.record_stream(s)
             g.event = None

@@ -44,6 +44,7 @@ per-expert products do not depend on when they were computed.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
 
@@ -51,7 +52,7 @@ from zipmoe.errors import ContainerError, ServingError, ZipmoeError
 
 from zipmoe.runtime.engine.fetch import (PREFETCH_RANK, _Cancelled, _Fetch, _Group, _Latch, _reads_of, expert_type,
                                          issue_order)
-from zipmoe.runtime.engine.workers import _one_line
+from zipmoe.runtime.engine.workers import PriorityWorkers, _one_line
 
 __all__ = ["Fetcher"]
 
@@ -71,10 +72,14 @@ class Fetcher:
         self._pf: dict = {}  # (layer, expert) -> prefetched _Group not yet needed
         self._pf_pending: deque = deque()  # predicted experts waiting for a window slot
         self._predicted: dict = {}  # layer -> experts predicted for it (precision / recall)
+        self._stager = None  # staged: the one thread that queues finished groups' copies (_put_staged)
+        self._stager_lock = threading.Lock()
 
     def close(self) -> None:
         self.reader.close()
         self.decoder.close()
+        if self._stager is not None:
+            self._stager.shutdown()
 
     # ------------------------------------------------------------------ the layer's lookup
     def lookup(self, layer, experts: list, pin: bool = True) -> tuple[dict, dict]:
@@ -165,18 +170,40 @@ class Fetcher:
         self._q.put((f, exc))
 
     def _put_staged(self, f, exc) -> None:
-        """A fetch of a staged group finished (on the reader or decode thread that finished it):
-        the thread that finishes the group's last fetch queues its copy to the device (and the
-        device merge) right there, before it reports, so that the copy starts as soon as the
-        bytes are whole and the serving thread spends nothing on it (docs/runtime.md, "Host work
-        per fetched tensor"). A failed stage is that fetch's error."""
+        """A fetch of a staged group finished (on the reader or decode thread that finished it).
+        The group's last fetch hands the group to the stager thread, which queues its copy to
+        the device (and the device merge) as soon as the bytes are whole, and only then reports
+        that fetch: the serving thread spends nothing on the copy, and a group it sees finished
+        is staged (docs/runtime.md, "Host work per fetched tensor"). One thread makes every
+        copy-stream call: the reader and decode threads that used to stage a group themselves
+        contended for the CUDA driver and the stream's lock, 0.3-0.6 ms of their time per fetched
+        tensor on an H100 (docs/benchmarks.md §22n). A failed stage is that fetch's error."""
         g = f.group
         last, first = g.latch.count_down(exc)
         if last and first is None:
             try:
-                self._stage_done(g)
+                self._stager_pool().submit(PREFETCH_RANK if g.prefetch else 0, self._stage_and_report, f)
+                return
             except BaseException as e:  # noqa: BLE001 - handed to the serving thread
                 exc = e
+        self._q.put((f, exc))
+
+    def _stager_pool(self) -> PriorityWorkers:
+        st = self._stager
+        if st is None:
+            with self._stager_lock:
+                st = self._stager
+                if st is None:
+                    st = self._stager = PriorityWorkers(1, "zipmoe-stage")
+        return st
+
+    def _stage_and_report(self, f) -> None:
+        """(the stager thread) Stage ``f``'s group, then report ``f``, its last fetch."""
+        exc = None
+        try:
+            self._stage_done(f.group)
+        except BaseException as e:  # noqa: BLE001 - handed to the serving thread
+            exc = e
         self._q.put((f, exc))
 
     def _stage_done(self, g: _Group) -> None:
@@ -327,6 +354,7 @@ class Fetcher:
         parts = counters.host_parts
         clock = time.perf_counter
         device = self.device
+        cstream = None  # the compute stream, asked for at the first group that reaches the device
         W = self.working.window
         # prefetched groups: those for this layer's chosen experts are adopted (used as if
         # fetched now, provided the tensors they left to the cache are still whole there);
@@ -400,7 +428,9 @@ class Fetcher:
                 if not errors:
                     fl = g.fetches
                     t0 = clock()
-                    device.to_device(g)
+                    if cstream is None:
+                        cstream = device.compute_stream()
+                    device.to_device(g, cstream)
                     device.finish(fl)
                     t1 = clock()
                     parts["to_device"] += t1 - t0
@@ -449,6 +479,8 @@ class Fetcher:
             except queue.Empty:
                 self.reader.check()
                 self.decoder.check()
+                if self._stager is not None:
+                    self._stager.check()
 
     def _abandon(self, groups: dict) -> None:
         """After an error: drop every prefetch, wait for every fetch, give back every byte."""
