@@ -33,6 +33,7 @@ class _Event:
         self.synced = 0
 
     def query(self) -> bool:
+        self.queries = getattr(self, "queries", 0) + 1
         return self.done
 
     def synchronize(self) -> None:
@@ -55,6 +56,27 @@ def test_ring_reuses_its_slots_and_waits_only_for_a_copy_not_yet_run():
     ring.release(a)
     ring.release(b)
     assert len(ring.free) == 2
+
+
+def test_reap_forgets_copies_that_ran_so_acquire_asks_the_device_nothing():
+    """The stager reaps after each release: slots whose copies ran lose their events, oldest
+    first, up to the first copy still running; the serving thread's acquire then asks nothing
+    of them, and still waits for a copy that had not run."""
+    ring = StagingRing(3, 1000, pin=False)
+    a, b, c = ring.acquire(), ring.acquire(), ring.acquire()
+    ran, running, later = _Event(True), _Event(False), _Event(True)
+    ring.release(a, ran)
+    ring.release(b, running)
+    ring.release(c, later)
+    ring.reap()
+    assert ring.events[a] is None and ring.events[b] is running and ring.events[c] is later  # stopped at b
+    assert ring.acquire() == a and ran.queries == 1  # the reap's query, none by acquire
+    assert ring.acquire() == b and ring.waits == 1 and running.synced == 1
+    ring.reap()  # b's entry: its slot was taken meanwhile and its event cleared; c's copy ran
+    assert ring.events[c] is None and not ring._unreaped
+    ring.release(a, _Event(False))
+    ring.release(b)
+    assert list(ring._unreaped) == [a] and ring.events[b] is None
 
 
 def test_copy_stream_merges_a_whole_expert_in_one_go_on_the_cpu():

@@ -39,6 +39,7 @@ class DeviceSide:
         self.counters = counters
         self.device_merge = bool(device_merge) and ring is not None
         self.copies = CopyStream(self.device, ring, self.device_merge) if ring is not None else None
+        self._cs = None  # the compute stream, as the serving thread last found it (compute_stream)
 
     @property
     def staged(self) -> bool:
@@ -85,7 +86,7 @@ class DeviceSide:
         if g.slot is not None:
             self.copies.ring.release(g.slot)
             g.slot = None
-        g.dev = None
+        g.dev = g.used_by = None
 
     # ------------------------------------------------------------------ finished
     def stage(self, g) -> None:
@@ -99,19 +100,34 @@ class DeviceSide:
         # views of it
         dev, ev = self.copies.stage_new(g.slot, g.n)
         g.dev = dev
+        cs = self._cs
+        if cs is not None and ev is not None:
+            # the buffer will be read on the compute stream: the allocator must not reuse it before
+            # that stream is done with it (marked here, off the serving thread; to_device checks
+            # that the stream is still the one the serving thread computes on)
+            dev.record_stream(cs)
+            g.used_by = cs
         for f, o in zip((f for f in g.fetches if f is not None), g.offs):
             rows, cols = f.tensor.shape
             f.out = dev.as_strided((rows, cols), (cols, 1), o)  # = dev[o : o + numel].view(shape), one call
-        self.copies.ring.release(g.slot, ev)
+        ring = self.copies.ring
+        ring.release(g.slot, ev)
         g.slot = None
         g.event = ev
+        if ev is not None:
+            ring.reap()
         if self.counters is not None:
             self.counters.add_time("stage", time.perf_counter() - t0)
 
     def compute_stream(self):
         """The stream the serving thread computes on (None: not CUDA). Asked once per layer: the
         call costs the serving thread more than the wait it is for."""
-        return torch.cuda.current_stream(self.device) if self.cuda and self.staged else None
+        if not (self.cuda and self.staged):
+            return None
+        s = torch.cuda.current_stream(self.device)
+        if s != self._cs:
+            self._cs = s
+        return self._cs
 
     def to_device(self, g, stream=None) -> None:
         """Before ``g``'s expert computes: the compute stream (``stream``, from
@@ -122,9 +138,10 @@ class DeviceSide:
         if g.slot is not None:  # not staged yet (it is, as soon as its last fetch reports)
             self.stage(g)
         if g.event is not None:
-            s = stream if stream is not None else torch.cuda.current_stream(self.device)
+            s = stream if stream is not None else self.compute_stream()
             s.wait_event(g.event)
-            g.dev.record_stream(s)
+            if g.used_by is not s:  # (staged before the serving thread named its stream, or another one)
+                g.dev.record_stream(s)
             g.event = None
 
     def finish(self, fetches) -> None:

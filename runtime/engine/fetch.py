@@ -105,7 +105,7 @@ class _Group:
     """The fetches of one expert: one window slot, its working bytes, done when all report."""
 
     __slots__ = ("layer", "expert", "prefetch", "fetches", "states", "remaining", "reserved", "errors",
-                 "dropped", "released", "slot", "n", "dev", "event", "offs", "latch")
+                 "dropped", "released", "slot", "n", "dev", "event", "offs", "latch", "used_by")
 
     def __init__(self, layer, expert, prefetch: bool) -> None:
         self.layer = layer
@@ -125,6 +125,7 @@ class _Group:
         self.n = 0
         self.dev = None
         self.event = None
+        self.used_by = None  # the compute stream its buffer was marked as used by when staged
         self.offs = ()  # each fetch's element offset in the buffers (device_side.place)
         # staged: counts the group's fetches down on the threads that finish them (one more for
         # the issue itself), so that whichever finishes last stages the group there

@@ -75,13 +75,16 @@ class StagingRing:
         self.free: deque = deque(range(n))
         self.events: list = [None] * n
         self.waits = 0
+        self._unreaped: deque = deque()  # slots released with a copy's event, oldest first (reap)
+        self._lock = threading.Lock()  # events[i] and _unreaped, between release / reap
 
     @property
     def slots(self) -> int:
         return len(self.events)
 
     def acquire(self) -> int:
-        """A free slot; waits for the copy that last read it if that has not run yet."""
+        """A free slot; waits for the copy that last read it if that has not run yet (a slot
+        :meth:`reap` found copied costs no CUDA call here)."""
         i = self.free.popleft()
         ev = self.events[i]
         if ev is not None:
@@ -102,10 +105,32 @@ class StagingRing:
 
     def release(self, i: int, event=None) -> None:
         """Give slot ``i`` back; ``event``: the copy that reads it (None: nothing reads it). Called
-        by the thread that stages (a reader or decode thread) while the serving thread acquires:
+        by the thread that stages (the stager thread) while the serving thread acquires:
         the event is in place before the slot is free."""
-        self.events[i] = event
+        with self._lock:
+            self.events[i] = event
+            if event is not None:
+                self._unreaped.append(i)
         self.free.append(i)
+
+    def reap(self) -> None:
+        """Forget the events of released slots whose copies have run, oldest first, stopping at
+        the first still running (the copies run in order on one stream): called by the stager
+        after it releases a slot, so that :meth:`acquire` on the serving thread seldom asks the
+        device anything."""
+        while True:
+            with self._lock:
+                if not self._unreaped:
+                    return
+                i = self._unreaped[0]
+                ev = self.events[i]
+            if ev is not None and not ev.query():
+                return
+            with self._lock:
+                if self._unreaped and self._unreaped[0] == i:
+                    self._unreaped.popleft()
+                if self.events[i] is ev:  # (not a later copy's, released meanwhile)
+                    self.events[i] = None
 
     def close(self) -> None:
         if self.pinned:
