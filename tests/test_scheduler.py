@@ -201,3 +201,20 @@ def test_reads_follow_the_model_priority_order():
     assert kinds.index("sm_only") > max(i for i, k in enumerate(kinds) if k in ("none", "e_only"))
     assert expert_type(["full", "full"]) == "full" and expert_type(["full", None]) == "I"
     assert expert_type(["compressed", "sm_only"]) == "II"
+
+
+def test_priority_workers_run_the_lowest_rank_first_and_finish_their_queue_at_shutdown():
+    """The reader and decode pools take the queued job of lowest rank (ties: first queued),
+    whichever thread takes it; shutdown runs what is queued before the threads stop."""
+    from zipmoe.runtime.engine.workers import PriorityWorkers
+
+    gate, ran = threading.Event(), []
+    pool = PriorityWorkers(1, "test-pool")
+    pool.submit(0, gate.wait, 5.0)  # holds the one thread while the rest queue up
+    for rank, tag in ((5, "e"), (1, "b"), (3, "d"), (1, "c"), (0, "a")):
+        pool.submit(rank, ran.append, tag)
+    gate.set()
+    pool.shutdown()
+    assert ran == ["a", "b", "c", "d", "e"]
+    assert not any(th.is_alive() for th in pool._threads)
+    pool.check()  # no failure, no thread lost while not stopping

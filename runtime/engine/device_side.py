@@ -11,10 +11,13 @@ Staged (CUDA): a group (one expert's fetches) takes one slot of the pinned ring 
 issued and one device buffer its tensors are views of (:meth:`place`); the decode workers write
 the slot; once the group's last fetch has finished, :meth:`stage` queues one copy of the slot
 (and one Triton merge) on the copy stream (:class:`zipmoe.runtime.engine.staging.CopyStream`) and
-gives the slot back with the copy's event. :meth:`stage` runs on the reader or decode thread that
-finished the group's last fetch (``Fetcher._put_staged``), so the copy starts as soon as the bytes
-are whole and costs the serving thread nothing; before the expert computes, :meth:`to_device`
-makes the compute stream wait for that event (on the device, not the host).
+gives the slot back with the copy's event. :meth:`stage` runs on the fetcher's one stager
+thread, handed the group by the reader or decode thread that finished its last fetch
+(``Fetcher._put_staged``), so the copy starts as soon as the bytes are whole and costs the
+serving thread nothing; it also marks the buffer as used by the compute stream (the one the
+serving thread last named, :meth:`compute_stream`). Before the expert computes,
+:meth:`to_device` makes the compute stream wait for that event (on the device, not the host):
+one CUDA call on the serving thread per group.
 """
 
 from __future__ import annotations

@@ -8,11 +8,14 @@ bf16 bytes when the host merges), in one page-aligned host allocation registered
 only; torch's pinned allocator rounds every block up to a power of two, which for a 17 MB
 expert is 32 MB). A group (one expert's fetches) takes a slot when it is issued; the decode
 workers write into it; once every fetch of the group has finished, the thread that finished
-the last one (a reader or decode thread, not the serving thread) calls
+the last one (a reader or decode thread) hands the group to the one stager thread (not the
+serving thread), which calls
 :meth:`CopyStream.stage_new`, which queues, on the copy stream and under the stream's lock, one
 host-to-device copy of the slot and (device merge) one Triton merge launch over the whole
 expert, into one device buffer the expert's tensors are views of, and records an event. The slot goes back to the ring with that event: the host waits on it only
-when the ring comes round to that slot before the copy ran (counted: ``staging_waits``). The
+when the ring comes round to that slot before the copy ran (counted: ``staging_waits``); the
+stager forgets the events of copies that have run (:meth:`StagingRing.reap`), so that taking a
+slot seldom asks the device anything. The
 serving thread's compute stream waits on the group's event (a device-side wait, no host sync)
 before the expert computes. Nothing syncs per tensor.
 

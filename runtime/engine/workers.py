@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import queue
 import threading
@@ -22,7 +23,13 @@ class PriorityWorkers:
     """
 
     def __init__(self, n: int, name: str, on_error=None) -> None:
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        # the jobs in a heap under a plain lock, and one token per job in a C-implemented queue
+        # that the threads block on: queue.PriorityQueue's Condition (Python code on every put
+        # and get, a quarter of the serving thread's issue time on the CPU box) is not needed
+        # when every token is one job and whoever takes a token pops the best job there is
+        self._heap: list = []
+        self._lock = threading.Lock()
+        self._tokens = queue.SimpleQueue()
         self._seq = itertools.count()
         self.name = name
         self.on_error = on_error
@@ -36,11 +43,17 @@ class PriorityWorkers:
         return len(self._threads)
 
     def submit(self, rank, fn, *args) -> None:
-        self._q.put((rank, next(self._seq), fn, args))
+        item = (rank, next(self._seq), fn, args)
+        with self._lock:
+            heapq.heappush(self._heap, item)
+        self._tokens.put(None)
 
     def _loop(self) -> None:
+        take, lock, heap, pop = self._tokens.get, self._lock, self._heap, heapq.heappop
         while True:
-            _, _, fn, args = self._q.get()
+            take()
+            with lock:
+                _, _, fn, args = pop(heap)
             if fn is None:
                 return
             try:
@@ -70,7 +83,7 @@ class PriorityWorkers:
         if not any(th.is_alive() for th in self._threads):
             return
         for _ in self._threads:
-            self._q.put((float("inf"), next(self._seq), None, ()))
+            self.submit(float("inf"), None)
         for th in self._threads:
             th.join()
 
