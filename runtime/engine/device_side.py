@@ -128,7 +128,7 @@ class DeviceSide:
         if not (self.cuda and self.staged):
             return None
         s = torch.cuda.current_stream(self.device)
-        if s != self._cs:
+        if self._cs is None or not s == self._cs:  # (a Stream's != None is False)
             self._cs = s
         return self._cs
 
