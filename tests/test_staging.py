@@ -314,3 +314,34 @@ def test_reads_of_every_size_reuse_the_read_buffers_with_host_pools(tmp_path_fac
     assert w.inflight == 0
     assert rt.store.buffers.idle_bytes <= w.window * w.expert_working - w.ring_bytes
     rt.close()
+
+
+def test_compute_stream_is_asked_once_and_kept_while_it_is_the_same(monkeypatch):
+    """``DeviceSide.compute_stream`` keeps the stream object while the serving thread's current
+    stream is the same one (the stager marks buffers with it, to_device compares by identity),
+    and takes the new one when it changes. A torch Stream compares unequal to None as False:
+    the first version kept None on CUDA (found by ``pytest -m gpu``)."""
+    from zipmoe.runtime.engine.device_side import DeviceSide
+
+    class _Stream:  # as torch.cuda.Stream: == by id, and `!= None` False
+        def __init__(self, sid):
+            self.sid = sid
+
+        def __eq__(self, other):
+            return isinstance(other, _Stream) and other.sid == self.sid
+
+        def __ne__(self, other):
+            return isinstance(other, _Stream) and other.sid != self.sid
+
+        __hash__ = object.__hash__
+
+    now = [_Stream(1)]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(now[0].sid))
+    ds = DeviceSide("cpu", torch.bfloat16, ring=StagingRing(1, 1024, pin=False))
+    ds.cuda = True  # the CUDA branch, on the CPU
+    first = ds.compute_stream()
+    assert first is not None and first.sid == 1
+    assert ds.compute_stream() is first  # the same stream: the same object
+    now[0] = _Stream(2)
+    second = ds.compute_stream()
+    assert second is not first and second.sid == 2
