@@ -73,6 +73,42 @@ def test_summary_and_ratios_against_each_baseline():
     assert all(x["engine"] in bench_report.ZIPMOE_ENGINES for x in rats.values())
 
 
+def test_paired_ratios_are_taken_round_by_round():
+    """--rounds: each engine's TPOT over the first engine's in the same round, then the median
+    and range of those ratios. A drift between rounds (round 2 twice as slow for everyone)
+    leaves the per-round ratios alone, where pooled medians would mix it in."""
+    G = 1 << 30
+
+    def r(engine, tpot, rnd, budget=G):
+        x = _run(engine, budget, tpot)
+        if rnd is not None:
+            x["round"] = rnd
+        return x
+
+    runs = [r("zipmoe", 0.100, 0), r("zipmoe-basic", 0.110, 0), r("zipmoe-pools", 0.090, 0),
+            r("zipmoe", 0.200, 1), r("zipmoe-basic", 0.180, 1), r("zipmoe-pools", 0.200, 1),
+            r("zipmoe", 0.150, 2), r("zipmoe-basic", 0.150, 2),  # zipmoe-pools missed round 3
+            r("zipmoe-basic", 0.500, None),  # an untagged run (an earlier --merge): not paired
+            r("zipmoe", 0.1, 0, budget=2 * G), r("zipmoe-basic", 0.1, 0, budget=2 * G)]  # one round: no row
+    rows = {(x["engine"], x["budget"]): x for x in bench_report.paired(runs, ["zipmoe", "zipmoe-basic", "zipmoe-pools"])}
+    b = rows[("zipmoe-basic", G)]
+    assert b["against"] == "zipmoe" and b["rounds"] == 3
+    assert b["per_round"] == pytest.approx([1.1, 0.9, 1.0]) and b["tpot_x"] == pytest.approx(1.0)
+    assert (b["min"], b["max"]) == (pytest.approx(0.9), pytest.approx(1.1))
+    p = rows[("zipmoe-pools", G)]
+    assert p["rounds"] == 2 and p["per_round"] == pytest.approx([0.9, 1.0])
+    assert ("zipmoe-basic", 2 * G) not in rows and ("zipmoe", G) not in rows
+    assert bench_report.paired([x for x in runs if x.get("round") == 0], None) == []  # one round: nothing
+    assert bench_report.render_paired([], None) is None and bench_report.render_paired(list(rows.values()), None) is not None
+
+
+def test_rounds_alternate_the_order_of_the_engines():
+    pairs = [("zipmoe", 1), ("zipmoe-basic", 1), ("zipmoe", 2)]
+    assert bench_run.round_schedule(pairs, 1) == [(0, "zipmoe", 1), (0, "zipmoe-basic", 1), (0, "zipmoe", 2)]
+    assert [x[1:] for x in bench_run.round_schedule(pairs, 3)] == pairs + pairs[::-1] + pairs
+    assert [x[0] for x in bench_run.round_schedule(pairs, 2)] == [0, 0, 0, 1, 1, 1]
+
+
 def test_summary_shows_the_counted_peak_beside_the_gpu_peak():
     G = 1 << 30
     a, b = _run("zipmoe", G, 0.1), _run("zipmoe", G, 0.1)

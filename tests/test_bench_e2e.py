@@ -135,6 +135,34 @@ def test_engine_timeout_kills_the_worker_and_says_so(tiny_container, capsys):
     assert code == 2
 
 
+def test_rounds_run_every_engine_again_and_pair_them(tiny_container, capsys):
+    """--rounds 2: every engine runs once per round (its own worker, its own log), the runs are
+    tagged with their round and pooled in the summary, and the paired table gives zipmoe-basic
+    against zipmoe round by round; --rounds 0 is one line and exit 2."""
+    root = tiny_container
+    out = root / "rounds.json"
+    work = root / "work-rounds"
+    code, cap = _main_code(["bench", str(root / "tiny.zmoe"), "--engine", "zipmoe", "--engine", "zipmoe-basic", "--budget", "2M",
+                            "--runs", "1", "--rounds", "2", "--new-tokens", "4", "--device", "cpu", "--threads", "1",
+                            "--cold", "--cold-method", "fadvise", "--json", str(out), "--work-dir", str(work)], capsys)
+    assert code == 0, cap.err[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["configs"][-1]["rounds"] == 2
+    for res in doc["results"]:
+        assert res["ok"] and sorted(r["round"] for r in res["runs"]) == [0, 1], res["engine"]
+    assert {r["engine"]: r["runs"] for r in doc["summary"]} == {"zipmoe": 2, "zipmoe-basic": 2}
+    (pair,) = doc["paired"]
+    assert pair["engine"] == "zipmoe-basic" and pair["against"] == "zipmoe" and pair["rounds"] == 2
+    assert pair["min"] <= pair["tpot_x"] <= pair["max"] and len(pair["per_round"]) == 2
+    assert "round by round" in cap.out
+    assert sorted(p.name for p in work.glob(f"worker-zipmoe-{2 << 20}-*.log")) == [
+        f"worker-zipmoe-{2 << 20}-b1-n4-r1.log", f"worker-zipmoe-{2 << 20}-b1-n4-r2.log"]
+    assert doc["token_check"]["same"]
+    code, cap = _main_code(["bench", str(root / "tiny.zmoe"), "--budget", "2M", "--rounds", "0"], capsys)
+    err = [x for x in cap.err.splitlines() if x.startswith("zipmoe: error")]
+    assert code == 2 and err == ["zipmoe: error: --rounds must be at least 1, got 0"], cap.err
+
+
 def _main_code(argv, capsys):
     from zipmoe_cli.app import main
 

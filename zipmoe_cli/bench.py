@@ -57,6 +57,9 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
                      "'full only' alternative); model: the profile's served state costs charged for this run's own routing "
                      "replayed through a cache with its pools (the cost model alone, batch 1); × = measured / predicted; "
                      "experts per decode layer call in each state (measured: the run's counters, prefill included)")
+    if bench_report.render_paired(doc.get("paired") or [], console=con):
+        notes.append("round by round: each engine's median TPOT in a round over the first engine's in the same round "
+                     "(--rounds; rounds alternate the engines' order), the median and range of those ratios")
     if not compact and bench_report.render_host_work(doc.get("summary", []), console=con):
         notes.append("the serving thread per fetched tensor (a compute tensor that was not a full-pool hit), prefill "
                      "included: host = its own work in the fetch pipeline (admit and the parts after it are in it; other: "
@@ -109,6 +112,7 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="The sample workload's seed (torch.manual_seed before every run)."),
     temperature: float = typer.Option(1.0, "--temperature", help="The sample workload's temperature."),
     runs: int = typer.Option(3, "--runs", help="Measured runs per engine, budget and case (median, min, max)."),
+    rounds: int = typer.Option(1, "--rounds", help="Run every engine and budget this many times over, in reverse order every other round (a fresh process each), and print each engine's TPOT against the first engine's round by round: ratios that a drift of the disk between runs does not skew."),
     cold: bool = typer.Option(True, "--cold/--warm", help="Drop the page cache before every run (default) or warm it with a first run."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `zipmoe plan` for the zipmoe engine."),
     source: Optional[Path] = typer.Option(None, "--source", help="The model's safetensors folder for the Hugging Face baselines (else the container is unpacked)."),
@@ -185,6 +189,8 @@ def bench(
         raise UsageError("--context must be at least 2 tokens")
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
+    if rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {rounds}")
     from zipmoe.runtime.plan.workload import check_workload
 
     check_workload(workload)
@@ -219,7 +225,7 @@ def bench(
     cfg = bench_run.BenchConfig(
         container=file, engines=engines, budgets=[parse_size(b) for b in budget],
         batches=bench_run.parse_int_list(batch, "--batch"), new_tokens=bench_run.parse_int_list(new_tokens, "--new-tokens"),
-        prompts_file=prompts, workload=workload, sample_seed=seed, temperature=temperature, runs=runs, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
+        prompts_file=prompts, workload=workload, sample_seed=seed, temperature=temperature, runs=runs, rounds=rounds, cold=cold, plan=plan, source=source, json_path=json_out, device=device,
         work_dir=work_dir, time_limit_s=time_limit or None, min_tokens=min_tokens, threads=threads or None,
         cgroup=not no_cgroup, cgroup_move_to_leaf=cgroup_move_to_leaf, cold_method=cold_method, cgroup_slack=parse_size(cgroup_slack) if cgroup_slack else None,
         context=context, disk_bw=float(parse_size(disk_bw)) if disk_bw else None, merge=merge, raw_container=raw_container, profile=profile, trace_out=trace_out,

@@ -415,6 +415,61 @@ def render_predictions(rows: list[dict], top_k: int | None = None, console=None)
     return t
 
 
+def paired(runs: list[dict], engines: list[str] | None = None) -> list[dict]:
+    """``--rounds``: every engine's TPOT against the first engine's (``engines`` order) at the same
+    budget, batch, new tokens and workload, **round by round** (runs tagged ``round``), then the
+    median and range of those per-round ratios. Engines that ran in one round share that
+    round's disk and machine state, so the ratio of a round does not carry the drift between
+    rounds that pooled medians do (docs/bench.md, "Rounds"). Empty without two rounds."""
+    by: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        if r.get("round") is None or r.get("tpot_s") is None:
+            continue
+        engine, budget, batch, new_tokens, workload = _key(r)
+        by[(budget, batch, new_tokens, workload, int(r["round"]))][engine].append(float(r["tpot_s"]))
+    order = list(engines or [])
+    groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for (budget, batch, new_tokens, workload, rnd), per in by.items():
+        names = [e for e in order if e in per] + sorted(e for e in per if e not in order)
+        ref = names[0]
+        t_ref = statistics.median(per[ref])
+        for e in names[1:]:
+            if t_ref > 0:
+                groups[(budget, batch, new_tokens, workload, ref)][e].append((rnd, statistics.median(per[e]) / t_ref))
+    rows = []
+    for (budget, batch, new_tokens, workload, ref), per in groups.items():
+        for e, xs in per.items():
+            xs.sort()
+            vals = [x for _, x in xs]
+            if len(vals) < 2:
+                continue
+            rows.append({"engine": e, "against": ref, "budget": budget, "batch": batch, "new_tokens": new_tokens,
+                         "workload": workload, "rounds": len(vals), "tpot_x": statistics.median(vals),
+                         "min": min(vals), "max": max(vals), "per_round": vals})
+    rows.sort(key=lambda r: (r["budget"] or 0, r["batch"], r["new_tokens"], r["engine"]))
+    return rows
+
+
+def render_paired(rows: list[dict], console=None):
+    """The table of :func:`paired`; None when there is nothing to show."""
+    from rich.table import Table
+
+    from zipmoe.units import format_size
+
+    if not rows:
+        return None
+    t = Table(title="TPOT against the first engine, round by round (--rounds)", title_justify="left", pad_edge=False)
+    for c in ("engine", "against", "budget", "batch", "tokens", "rounds", "× median", "× min–max", "per round"):
+        t.add_column(c, justify="left" if c in ("engine", "against", "per round") else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["engine"], r["against"], format_size(r["budget"]) if r["budget"] else "–", str(r["batch"]),
+                  str(r["new_tokens"]), str(r["rounds"]), f"{r['tpot_x']:.3f}", f"{r['min']:.3f}–{r['max']:.3f}",
+                  " ".join(f"{x:.3f}" for x in r["per_round"]))
+    if console is not None:
+        console.print(t)
+    return t
+
+
 def render_host_work(rows: list[dict], console=None):
     """The serving thread's work per fetched tensor (``row["host_work"]``), for the rows that
     have it; None when none has."""

@@ -51,6 +51,10 @@ class BenchConfig:
     new_tokens: list[int] = field(default_factory=lambda: [32])
     prompts_file: Path | None = None
     runs: int = 3
+    # --rounds: the whole set of engines and budgets this many times, in reverse order every
+    # other round (each round a fresh process per engine); runs are tagged with their round and
+    # report.paired gives each engine's TPOT against the first's, round by round
+    rounds: int = 1
     cold: bool = True
     plan: Path | None = None
     source: Path | None = None
@@ -316,6 +320,8 @@ def finalize(doc: dict) -> dict:
     doc["summary"] = rows
     doc["ratios"] = report.ratios(rows)
     doc["token_check"] = report.token_check(runs)
+    order = [e for c in doc.get("configs") or [] for e in c.get("engines") or []]
+    doc["paired"] = report.paired(runs, list(dict.fromkeys(order)))
     return doc
 
 
@@ -352,6 +358,13 @@ def plan_work(cfg: BenchConfig) -> list[tuple[str, int | None]]:
     return work
 
 
+def round_schedule(pairs: list, rounds: int) -> list[tuple]:
+    """``(round, engine, budget)`` in run order: every round the same pairs, in reverse order
+    every other round (ABBA), so that a drift of the disk or the machine over the call weighs on
+    every engine alike."""
+    return [(rnd, eng, budget) for rnd in range(rounds) for eng, budget in (pairs if rnd % 2 == 0 else pairs[::-1])]
+
+
 def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict, list[str]]:
     """Run everything; returns (the out.json document, errors as one-line strings)."""
     errors: list[str] = []
@@ -383,6 +396,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     })
     doc.setdefault("configs", []).append({
         "engines": cfg.engines, "budgets": cfg.budgets, "batches": cfg.batches, "new_tokens": cfg.new_tokens, "runs": cfg.runs,
+        **({"rounds": cfg.rounds} if cfg.rounds > 1 else {}),
         "cold": cfg.cold, "plan": str(cfg.plan) if cfg.plan else None, "time_limit_s": cfg.time_limit_s, "threads": cfg.threads,
         "workload": cfg.workload, **({"seed": cfg.sample_seed, "temperature": cfg.temperature} if cfg.workload == "sample" else {}),
         **{k: v for k, v in (("readers", cfg.readers), ("prefetch", cfg.prefetch), ("deepspeed_offload", cfg.deepspeed_offload),
@@ -503,9 +517,9 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
         log("note: cannot drop the page cache here: only engines that read with O_DIRECT (zipmoe) are cold")
 
     pairs = [(e, b) for e, b in plan_work(cfg) if e in runnable]
-    total = len(pairs) * len(cases) * cfg.runs
+    rounds = max(1, int(cfg.rounds))
+    total = len(pairs) * len(cases) * cfg.runs * rounds
     prog = progress_factory(total) if progress_factory else None
-    new_results = []
     ballast = None
     if cfg.pressure and pairs:  # the paper's memory-pressure case: the page cache kept small (pressure.py)
         from zipmoe.runtime.bench.pressure import Ballast
@@ -516,9 +530,11 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
     # the runs file of an engine and budget is named by its cases too: a later bench of the same
     # engine and budget with another batch or length (a batch-4 stage after batch 1) keeps the first's
     case_tag = "_".join(c["id"] for c in cases) or "none"
+    this_call: dict = {}  # (engine, budget) -> its result so far in this call (the rounds add runs to it)
+    schedule = round_schedule(pairs, rounds)
     try:
-        for eng, budget in pairs:
-            label = f"{eng}" + (f" @ {format_size(budget)}" if budget else "")
+        for rnd, eng, budget in schedule:
+            label = f"{eng}" + (f" @ {format_size(budget)}" if budget else "") + (f" · round {rnd + 1}/{rounds}" if rounds > 1 else "")
             if prog:
                 prog.describe(label)
             spec = {
@@ -528,8 +544,8 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 "plan": str(cfg.plan) if cfg.plan else None, "offload_folder": str(work / "offload" / f"{eng}-{budget}"),
                 "threads": cfg.threads, "runs": cfg.runs, "cold": cfg.cold, "cold_paths": [str(p) for p in cold_paths],
                 "warmup": True, "allow_drop_caches": cfg.allow_drop_caches, "time_limit_s": cfg.time_limit_s, "min_tokens": cfg.min_tokens, "cases": cases,
-                "result_path": str(work / f"runs-{eng}-{budget}-{case_tag}.jsonl"),
-                "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" else None,
+                "result_path": str(work / f"runs-{eng}-{budget}-{case_tag}{f'-r{rnd + 1}' if rounds > 1 else ''}.jsonl"),
+                "trace": _trace_path(cfg.trace_out, budget, len(cfg.budgets)) if eng == "zipmoe" and rnd == 0 else None,
                 "context": cfg.context or run_context(cases),
                 "readers": cfg.readers, "prefetch": cfg.prefetch,
                 # zipmoe-default fits its plan at load from this profile (or the cache's) like chat does
@@ -542,9 +558,19 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
 
             limit = budget + START_ALLOWANCE + slack + kv_allowance(spec) if (support.usable and budget is not None) else None
             spec["cgroup_margin"] = slack
-            res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}-{case_tag}.log",
+            res = run_worker(spec, support if support.usable else None, limit, work / f"worker-{eng}-{budget}-{case_tag}{f'-r{rnd + 1}' if rounds > 1 else ''}.log",
                              (lambda: prog.advance()) if prog else (lambda: None), timeout_s=cfg.engine_timeout_s)
             res["cgroup_limit_bytes"] = limit
+            measured = len(res.get("runs") or [])  # in this round
+            if rounds > 1:
+                for r in res.get("runs") or []:
+                    r["round"] = rnd
+                before = this_call.get((eng, budget))
+                if before is not None:  # a later round: its runs add to the earlier rounds'
+                    res["runs"] = list(before.get("runs") or []) + list(res.get("runs") or [])
+                    if before.get("case_errors") and not res.get("case_errors"):
+                        res["case_errors"] = before["case_errors"]
+            this_call[(eng, budget)] = res
             # an earlier result for the same engine/budget (a re-run with --merge): its runs of the
             # cases this run measured are replaced, the others kept (e.g. batch 1, then batch 4)
             if not res.get("ok") and res.get("error"):
@@ -554,10 +580,9 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 res["case_errors"] = {c["id"]: res["error"] for c in cases if (c["batch"], c["new_tokens"]) not in done}
             earlier = [d for d in doc["results"] if d.get("engine") == eng and d.get("budget") == budget]
             doc["results"] = [d for d in doc["results"] if not (d.get("engine") == eng and d.get("budget") == budget)]
-            for d in earlier:
+            for d in earlier:  # (an earlier round's result of this call adds nothing here: its runs are in res)
                 merge_runs(res, d)
             doc["results"].append(res)
-            new_results.append(res)
             if not res.get("ok"):
                 msg = res.get("error") or "failed"
                 if not msg.startswith("engine "):
@@ -569,7 +594,7 @@ def run_bench(cfg: BenchConfig, log=print, progress_factory=None) -> tuple[dict,
                 errors.append(msg)
                 doc["errors"].append({"engine": eng, "budget": budget, "error": msg})
                 if prog:  # skip the missing steps
-                    prog.advance(len(cases) * cfg.runs - len(res.get("runs", [])))
+                    prog.advance(len(cases) * cfg.runs - measured)
             _write_json(cfg.json_path, finalize(doc))
     finally:
         if prog:
