@@ -128,7 +128,8 @@ class _Group:
         self.used_by = None  # the compute stream its buffer was marked as used by when staged
         self.offs = ()  # each fetch's element offset in the buffers (device_side.place)
         # staged: counts the group's fetches down on the threads that finish them (one more for
-        # the issue itself), so that whichever finishes last stages the group there
+        # the issue itself), so that whichever finishes last hands the group to the stager (or, the
+        # issue, stages it there)
         self.latch = None
 
 

@@ -281,7 +281,7 @@ class Fetcher:
         if g.remaining:
             return
         if self.device.staged and not g.errors:
-            self._stage_done(g)  # (staged already by the thread that finished it: then nothing to do)
+            self._stage_done(g)  # (staged already by the stager, or by the issue: then nothing to do)
         if g.dropped:
             if g.errors:
                 self.counters.add_prefetch("failed")
