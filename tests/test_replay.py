@@ -41,16 +41,17 @@ def _budget(path, fraction: float) -> int:
     return int(requirements(path, workers=1)["budget_for"](fraction))
 
 
-@pytest.mark.parametrize("pools", ["full only", "mixed"])
+@pytest.mark.parametrize("pools", ["full only", "mixed, one in flight", "mixed"])
 def test_replaying_a_runs_own_routing_gives_its_hits(tiny_mixtral_container, pools):
     """The runtime's hit counters, state by state, equal the replay of the layer calls it logged,
     with its own pool sizes: the replay admits, evicts and cascades as the fetcher does. Exactly
-    with one pool and one expert in flight (admission in issue order, the replay's order); with
-    several pools and the load's window, the runtime admits a layer's experts in the order they
-    finish (a compressed hit, which reads nothing, can finish before a miss issued earlier; the
-    reader takes the best-ranked fetch queued when it frees up) and the replay in issue order, so
-    a few uses may land in another pool (CI once saw one use of 408 with one pool and the window
-    of three)."""
+    with one expert in flight (admission in issue order, the replay's order), with one pool or
+    four; with the load's window, the runtime admits a layer's experts in the order they finish
+    (a compressed hit, which reads nothing, can finish before a miss issued earlier; the reader
+    takes the best-ranked fetch queued when it frees up) and the replay in issue order, so a few
+    uses may land in another pool, and a tensor kept in another pool can make a later use a hit
+    or a miss: every state within 2% of the uses (CI once saw one use of 408 with one pool and the
+    window of three, and once one miss of 408 with four pools)."""
     path, cid = tiny_mixtral_container
     budget = _budget(path, 0.4)
     if pools == "full only":
@@ -60,16 +61,17 @@ def test_replaying_a_runs_own_routing_gives_its_hits(tiny_mixtral_container, poo
         total = sum(rt0.pools.values())
         plan = {"container_id": cid, "pools": {"full": int(0.35 * total), "compressed": int(0.3 * total),
                                               "sm_only": int(0.2 * total), "e_only": int(0.15 * total)}}
-        rt, log = _serve(path, budget, plan)
+        rt, log = _serve(path, budget, plan, window=1 if pools == "mixed, one in flight" else None)
     assert sum(rt.counters.hits.values()) > 0 and rt.counters.hits["none"] > 0
     res = R.replay(_calls(rt, log), rt.expert_tensors, rt.pools, age_every=rt.cache.age_every)
     got = dict(zip(STATES, res.tensor_hits.sum(axis=0).tolist()))
-    if pools == "full only":
-        assert got == dict(rt.counters.hits)
-    else:  # the run used the lower pools, so the replay's cascade was exercised
+    if pools != "full only":  # the run used the lower pools, so the replay's cascade was exercised
         assert rt.counters.hits["compressed"] + rt.counters.hits["sm_only"] + rt.counters.hits["e_only"] > 0
+    if pools != "mixed":
+        assert got == dict(rt.counters.hits)
+    else:
         uses = sum(rt.counters.hits.values())
-        assert sum(got.values()) == uses and got["none"] == rt.counters.hits["none"]
+        assert sum(got.values()) == uses
         for s in STATES:
             assert abs(got[s] - rt.counters.hits[s]) <= 0.02 * uses, (got, rt.counters.hits)
 
