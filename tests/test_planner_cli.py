@@ -98,6 +98,42 @@ def test_plan_writes_plan_json_and_explains(container, tmp_path, capsys):
     assert read_plan(str(out), cid)["pools"] == plan["pools"]
 
 
+@pytest.mark.parametrize("pool", ["full", "compressed", "sm_only", "e_only"])
+def test_plan_only_writes_that_single_pool_plan(container, tmp_path, capsys, pool):
+    """--only POOL writes the single-pool plan the table lists for POOL (same slots, pools and
+    prediction), names the planner's own choice beside it, and the runtime loads it."""
+    path, cid = container
+    prof = _profile(path, cid, tmp_path)
+    tr = _trace(tmp_path / "t.jsonl", cid)
+    chosen, pinned = tmp_path / "plan.json", tmp_path / f"only-{pool}.json"
+    base = ["plan", path, "--budget", "800K", "--trace", tr, "--profile", prof, "--workers", "1"]
+    assert _run(base + ["-o", chosen], capsys)[0] == 0
+    code, stdout, err = _run(base + ["--only", pool, "-o", pinned], capsys)
+    assert code == 0, err
+    plan, single = json.loads(chosen.read_text()), json.loads(pinned.read_text())
+    alt = plan["alternatives"][f"{pool} only"]
+    assert single["only"] == pool
+    assert single["slots"]["per_layer"] == alt["slots"] and single["pools"] == alt["pools"]
+    assert single["expected_tpot_s"] == alt["expected_tpot_s"]
+    assert all(v == 0 for p, v in single["pools"].items() if p != pool) and single["pools"][pool] > 0
+    assert single["planner_choice"]["pools"] == plan["pools"]
+    assert single["planner_choice"]["expected_tpot_s"] == plan["expected_tpot_s"]
+    assert single["explain"] and single["explain"][0].startswith(f"{pool} only, as asked")
+    flat = " ".join(stdout.split())
+    assert "written plan" in flat and f"{pool} only, as asked" in flat
+    from zipmoe.runtime.engine.core import read_plan
+
+    assert read_plan(str(pinned), cid)["pools"] == single["pools"]
+
+
+@pytest.mark.parametrize("extra,needle", [(["--only", "hot"], "--only: one of full, compressed, sm_only, e_only"),
+                                          (["--only", "full", "--profile-only"], "does not go with --profile-only")])
+def test_plan_only_bad_input_is_one_line(container, tmp_path, capsys, extra, needle):
+    path, cid = container
+    code, _, err = _run(["plan", path, "--budget", "800K", "--profile", _profile(path, cid, tmp_path)] + extra, capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
 def test_plan_without_trace_says_uniform_prior(container, tmp_path, capsys):
     path, cid = container
     code, stdout, _ = _run(["plan", path, "--budget", "2M", "--profile", _profile(path, cid, tmp_path), "--workers", "1"], capsys)

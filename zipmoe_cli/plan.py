@@ -14,7 +14,8 @@ def _table(plan: dict, console) -> None:
     from zipmoe.runtime.engine.states import POOLS, STATES
     from zipmoe.units import format_size
 
-    rows = [("chosen", plan)] + list(plan["alternatives"].items())
+    first = f"--only {plan['only']}" if plan.get("only") else "chosen"
+    rows = [(first, plan)] + list(plan["alternatives"].items())
     best = plan["expected_tpot_s"]
     t = Table(title="plans compared (predicted per output token)", title_justify="left")
     t.add_column("plan")
@@ -25,9 +26,9 @@ def _table(plan: dict, console) -> None:
     t.add_column("TPOT", justify="right")
     t.add_column("vs\nchosen", justify="right")
     for name, p in rows:
-        slots = p["slots"]["per_layer"] if name == "chosen" else p["slots"]
+        slots = p["slots"]["per_layer"] if p is plan else p["slots"]
         h = p["expected_hits"]
-        style = "bold green" if name == "chosen" else None
+        style = "bold green" if p is plan else None
         t.add_row(name, "·".join(f"{slots[s]:.3g}" for s in POOLS),  # a part slot: 1.76 (docs/planner.md)
                   format_size(sum(p["pools"].values())),
                   "·".join(f"{h[s]:.2g}" for s in STATES),
@@ -54,6 +55,7 @@ def plan(
     calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
+    only: str = typer.Option(None, "--only", metavar="full|compressed|sm_only|e_only", help="Write that pool's single-pool plan instead of the planner's choice (which it still prints): to measure one pool against another with `bench --plan`, or to pin one."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
     from zipmoe_cli.default_plan import keep_usage
@@ -76,6 +78,12 @@ def plan(
     con = Console()
     if workers < 0:
         raise UsageError(f"--workers must be at least 1, got {workers}")
+    from zipmoe.runtime.plan.search import POOLS
+
+    if only is not None and only not in POOLS:
+        raise UsageError(f"--only: one of {', '.join(POOLS)}, got {only!r}")
+    if only is not None and profile_only:
+        raise UsageError("--only writes a plan; it does not go with --profile-only")
     workers = workers or decode_workers()
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget_bytes is None and not profile_only:
@@ -151,7 +159,7 @@ def plan(
         replay = (layer_calls_from_trace(traces, layers=layout.sparse_layers), ets)
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
                        profile_path=str(profile) if profile is not None else None,
-                       prefetch_recall=read_recall(traces) if traces else None, replay=replay)
+                       prefetch_recall=read_recall(traces) if traces else None, replay=replay, only=only)
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -196,7 +204,7 @@ def plan(
     singles = [v["expected_tpot_s"] for k, v in result["alternatives"].items() if k != "no cache"]
     if singles and min(singles) > 0:
         gain = min(singles) / result["expected_tpot_s"]
-        con.print(f"chosen plan: {format_size(sum(result['pools'].values()))} in pools, predicted "
+        con.print(f"{'written' if only else 'chosen'} plan: {format_size(sum(result['pools'].values()))} in pools, predicted "
                   f"{1e3 * result['expected_tpot_s']:.2f} ms per token, {gain:.2f}x the best single-pool plan")
     if out is not None:
         con.print(f"wrote {out} (use it with `zipmoe chat {path.name} --plan {out}`)")

@@ -350,8 +350,12 @@ class Planner:
 
 def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, profile: dict, *, workers: int,
               device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None,
-              prefetch_recall: float | None = None, replay: tuple | None = None) -> dict:
+              prefetch_recall: float | None = None, replay: tuple | None = None, only: str | None = None) -> dict:
     """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum.
+    ``only``: a pool (``full``, ``compressed``, ``sm_only``, ``e_only``) whose single-pool plan
+    is written instead of the planner's choice (``zipmoe plan --only``: to measure the pools one
+    against another, or to pin one); the choice it replaces is named in ``explain`` and kept as
+    ``planner_choice``.
     ``prefetch_recall``: the calibration pass's measured recall (prefetch on), or None.
     ``replay``: ``(layer calls, expert tensors)`` of the recorded routing (runtime.plan.replay;
     the container's tensors as ``runtime.plan.layout.expert_tensors`` builds them): the search's
@@ -392,6 +396,12 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         if not ok:
             passed_over = dict(best)  # the best mix found, kept for the explanation
             best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
+    pinned = None
+    if only is not None:
+        if only not in POOLS:
+            raise ValueError(f"only: one of {', '.join(POOLS)}, got {only!r}")
+        pinned = planner.describe(best)  # the planner's own choice, for the record
+        best = dict(singles[only])
     chosen = planner.describe(best)
     alternatives = {}
     for name, slots in singles.items():
@@ -452,7 +462,14 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
                        "mixed_against_full_by_half_s": [[float(a), float(b)] for a, b in halves]}
                       if planner.replayer is not None else {})},
         "hit_model": chosen["hit_model"],
-        "explain": planner.explain(best, singles, passed_over, halves),
+        "explain": (planner.explain(best, singles, passed_over, halves) if pinned is None else
+                    [f"{only} only, as asked (--only): predicted {1e3 * chosen['expected_tpot_s']:.2f} ms per token; "
+                     f"the planner's choice (slots per layer "
+                     f"{', '.join(f'{p} {float(v):.2f}' for p, v in pinned['slots'].items() if float(v) > 0) or 'none'}) "
+                     f"is predicted {1e3 * pinned['expected_tpot_s']:.2f} ms; {only} only is "
+                     f"{chosen['expected_tpot_s'] / max(1e-12, pinned['expected_tpot_s']):.3f}x that"]),
+        **({"only": only, "planner_choice": {k: pinned[k] for k in ("slots", "pools", "expected_tpot_s")}}
+           if pinned is not None else {}),
         "profile": prof_summary,
         "trace": stats.summary(),
     }
