@@ -286,7 +286,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --profile "$W/qwen-profile.json" --device "${DEVICE:-cuda}" --only "$p" -o "$W/qwen-plan-$b-$p.json"
             stage "bench-$b-$p" "$(cache_stage_limit 1 "$tl" 240)" zipmoe bench "$W/qwen.zmoe" --engine zipmoe \
                 --plan "$W/qwen-plan-$b-$p.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
-                --json "$W/qwen-only-$b-$p.json"
+                --json "$W/qwen-only-$b-$p.json" --work-dir "$W/qwen-work-$p"  # its worker logs kept apart (all are engine zipmoe)
         done
     done
     # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none)
