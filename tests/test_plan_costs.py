@@ -54,13 +54,60 @@ def test_step_table_with_a_miss_curve_charges_a_lone_fetch_its_latency():
     assert val[(3, 0, 0, 0, 1)] == pytest.approx(0.002)  # one miss: the curve's first point
     assert val[(0, 0, 0, 0, 4)] == pytest.approx(0.004)
     assert val[(2, 0, 0, 0, 2)] == pytest.approx(0.0035)
-    # two compressed hits are one miss's worth of fetching: the curve at 1
-    assert val[(2, 2, 0, 0, 0)] == pytest.approx(0.002)
+    # two compressed hits are one miss's worth of fetching, but they read nothing: a layer of
+    # compressed hits alone adds at most their linear sum (exact on the pure compressed layer)
+    assert val[(2, 2, 0, 0, 0)] == pytest.approx(2 * 0.0005)
+    assert val[(0, 4, 0, 0, 0)] == pytest.approx(4 * 0.0005)
+    # beside a miss without a measured β: counted in misses' worth, as before
+    assert val[(1, 2, 0, 0, 1)] == pytest.approx(0.0035)
     assert val[(4, 0, 0, 0, 0)] == 0.0
     # more fetching never costs less, even where a measured point dips
     dip = StepTable(4, a, graphs=False, miss_curve_s={1: 0.002, 2: 0.0015, 3: 0.003, 4: 0.004})
     v = dict(zip(comps, dip.values))
     assert v[(2, 0, 0, 0, 2)] >= v[(3, 0, 0, 0, 1)]
+
+
+def test_step_table_charges_a_compressed_hit_beside_misses_its_measured_beta():
+    """With β (what a compressed hit adds beside misses, measured), a layer with disk-reading
+    fetches adds the curve at those fetches' worth plus β per compressed hit; layers without
+    compressed hits, and layers with no disk-reading fetch, are what they were."""
+    a = {"full": 0.0, "compressed": 0.0005, "sm_only": 0.0008, "e_only": 0.0009, "none": 0.001}
+    curve = {1: 0.002, 2: 0.0035, 3: 0.0037, 4: 0.004}
+    beta = 0.0001
+    without = dict(zip(map(tuple, compositions(4)), StepTable(4, a, graphs=True, miss_curve_s=curve).values))
+    t = StepTable.of(4, {"per_expert_s": a, "graphs": True, "miss_curve_s": curve, "compressed_beside_misses_s": beta})
+    val = dict(zip(map(tuple, compositions(4)), t.values))
+    assert val[(0, 2, 0, 0, 2)] == pytest.approx(0.0035 + 2 * beta)
+    assert val[(0, 3, 0, 0, 1)] == pytest.approx(0.002 + 3 * beta)
+    # an SM-only hit reads its E bytes: it counts toward the disk, at its misses' worth
+    assert val[(0, 1, 3, 0, 0)] == pytest.approx(np.interp(3 * 0.8, [0, 1, 2, 3, 4], [0, 0.002, 0.0035, 0.0037, 0.004]) + beta)
+    for c, v in val.items():
+        if c[1] == 0 or sum(c[2:]) == 0:
+            assert v == pytest.approx(without[c]), c
+    assert val[(4, 0, 0, 0, 0)] == 0.0  # graphed
+
+
+def test_state_step_costs_measures_beta_from_the_mixed_pass_less_its_admissions():
+    from zipmoe.runtime.plan.passes import state_step_costs
+
+    L, k = 4, 4
+    base = 0.010
+    passes = {"resident": {"step_s": base}, "graphs": True,
+              "none": {"step_s": base + L * k * 0.006, "state_share": 1.0},
+              "misses_2": {"step_s": base + L * 0.016, "misses_per_layer": 2, "steps": 8, "admit_s": 8 * L * 0.0002},
+              # two misses and two compressed hits per layer: 1 ms per layer more, of which the misses'
+              # admission into the compressed pool took 0.4 ms more than into the full pool
+              "compressed_beside_misses": {"step_s": base + L * 0.017, "misses_per_layer": 2, "steps": 8,
+                                    "admit_s": 8 * L * 0.0006}}
+    for s in ("compressed", "sm_only", "e_only"):
+        passes[s] = {"step_s": base + L * k * 0.002, "state_share": 1.0}
+    sc = state_step_costs(passes, k, L)
+    assert sc["compressed_beside_misses_at"] == 2
+    assert sc["compressed_beside_misses_admit_s"] == pytest.approx(0.0004)
+    assert sc["compressed_beside_misses_s"] == pytest.approx((0.001 - 0.0004) / 2)
+    # no mixed pass (an older profile): no β, the table counts as before
+    del passes["compressed_beside_misses"]
+    assert "compressed_beside_misses_s" not in state_step_costs(passes, k, L)
 
 
 def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_why():
@@ -101,6 +148,19 @@ def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():
     assert any("against" in line and "full tensors only" in line for line in plan["explain"])
 
 
+def test_the_margin_is_smaller_for_full_and_compressed_slots_only():
+    """A plan of full and compressed slots (a compressed hit reads nothing; measured beside misses)
+    needs 5% over full tensors only; one with SM-only or E-only slots (the mixes the model
+    overrated, §22k-l) needs 10%."""
+    from zipmoe.runtime.plan.planner import PREFER_FULL_MARGIN_COMPRESSED, margin_for
+
+    assert PREFER_FULL_MARGIN_COMPRESSED < PREFER_FULL_MARGIN
+    assert margin_for({"full": 3, "compressed": 1.5, "sm_only": 0, "e_only": 0}) == PREFER_FULL_MARGIN_COMPRESSED
+    assert margin_for({"compressed": 4}) == PREFER_FULL_MARGIN_COMPRESSED
+    assert margin_for({"full": 3, "compressed": 1, "sm_only": 0.2}) == PREFER_FULL_MARGIN
+    assert margin_for({"full": 3, "e_only": 2}) == PREFER_FULL_MARGIN
+
+
 def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkeypatch):
     from zipmoe.runtime.plan import planner
 
@@ -108,6 +168,7 @@ def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkey
     prof = _profile({"full": 0.0001, "compressed": 0.0004, "sm_only": 0.0030, "e_only": 0.0040, "none": 0.0100})
     budget = layout.min_budget(1) + layout.total_expert_full // 3
     monkeypatch.setattr(planner, "PREFER_FULL_MARGIN", 0.99)  # nothing can be that much faster
+    monkeypatch.setattr(planner, "PREFER_FULL_MARGIN_COMPRESSED", 0.99)
     plan = planner.make_plan(layout, budget, stats, prof, workers=1)
     assert plan["slots"]["per_layer"]["compressed"] == 0 and plan["slots"]["per_layer"]["full"] > 0
     # it says what it passed over: the best mix's figure against full tensors only, and the margin
@@ -324,6 +385,12 @@ def test_serving_passes_hold_each_state(container, device):
     assert sorted(int(j) for j in sc["miss_curve_s"]) == list(range(1, layout.top_k + 1))
     for j in range(1, layout.top_k + 1):
         assert states[f"misses_{j}"]["miss_share"] == pytest.approx(j / layout.top_k, abs=0.1)
+    # half of them misses, the rest compressed hits: what a compressed hit adds beside misses (β)
+    mixed, half = states["compressed_beside_misses"], layout.top_k // 2
+    assert mixed["misses_per_layer"] == half and mixed["rest"] == "compressed"
+    assert mixed["miss_share"] == pytest.approx(half / layout.top_k, abs=0.1)
+    assert mixed["rest_share"] == pytest.approx(1 - half / layout.top_k, abs=0.1)
+    assert sc["compressed_beside_misses_at"] == half and sc["compressed_beside_misses_s"] >= 0
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it
 
@@ -385,7 +452,7 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     copies charged: kept where it wins by the planner's margin, full tensors only where the
     copies eat the gain (as §22k's mix did on the H100)."""
     from zipmoe.runtime.plan.default import default_plan, read_routing, record_usage, stats_path
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, container_info, default_profile_path, machine_info, save_profile
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
 
     path, cid, layout = container
     E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
@@ -400,7 +467,7 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
 
     def fitted(admit_bw, tmp):
-        prof = {"format": PROFILE_FORMAT, "revision": 4, "machine": machine_info("cpu"), "container": container_info(path, cid),
+        prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
                 "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
                 "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
                           "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},

@@ -156,26 +156,57 @@ class StepTable:
     per_expert_s["full"]`` at 0): a lone fetch costs its latency, several share the disk and the
     workers (on the CPU box a lone miss added 1.96 ms to a layer, four 4.6-6.3 ms). Without the
     curve: ``sum(count[state] * per_expert_s[state])``, exact on the pure layers, linear in
-    between (it charges a lone fetch only its share of a layer full of fetches)."""
+    between (it charges a lone fetch only its share of a layer full of fetches).
 
-    def __init__(self, k: int, per_expert_s: dict, graphs: bool, miss_curve_s: dict | None = None) -> None:
+    A compressed hit reads nothing from the disk (docs/planner.md, "Compressed hits beside
+    misses", 7 Dec):
+    - a layer whose fetches are all compressed hits adds at most the linear sum, which is exact
+      on the pure compressed layer (the curve at its misses' worth charged a whole compressed
+      layer the latency of a lone miss: 10.7 ms against the 7.4 ms measured on the H100, §22o);
+    - with ``compressed_beside_misses_s`` (β, measured by serving layers of ``j`` misses and
+      ``k - j`` compressed hits), a layer with disk-reading fetches adds the curve at those
+      fetches' worth (misses, SM-only and E-only hits) plus β per compressed hit: the
+      decompression of a compressed hit runs on workers the misses' reads leave idle. Without β
+      (an older profile) such a layer is counted as before."""
+
+    def __init__(self, k: int, per_expert_s: dict, graphs: bool, miss_curve_s: dict | None = None,
+                 compressed_beside_misses_s: float | None = None) -> None:
         self.k, self.graphs = int(k), bool(graphs)
         self.per_expert_s = {s: float(per_expert_s[s]) for s in POOL_ORDER}
+        self.beta = None if compressed_beside_misses_s is None else max(0.0, float(compressed_beside_misses_s))
         self.comps = compositions(self.k)
         a = np.array([self.per_expert_s[s] for s in POOL_ORDER])
         curve = {int(j): float(v) for j, v in (miss_curve_s or {}).items()}
+        linear = self.comps @ a
         if curve and a[-1] > 0:
             xs = np.array([0.0] + sorted(curve))
             ys = np.array([self.k * a[0]] + [curve[j] for j in sorted(curve)])
             ys = np.maximum.accumulate(ys)  # more fetches never cost less
-            n = (self.comps[:, 1:] * (a[1:] / a[-1])).sum(axis=1)
             slope = (ys[-1] - ys[-2]) / max(1e-12, xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-            self.values = np.where(n <= xs[-1], np.interp(n, xs, ys), ys[-1] + (n - xs[-1]) * slope)
-            self.values = np.where(n > 0, self.values, self.comps @ a)
+
+            def at(n):
+                return np.where(n <= xs[-1], np.interp(n, xs, ys), ys[-1] + (n - xs[-1]) * slope)
+
+            w = a[1:] / a[-1]  # a fetched state's misses' worth
+            n = (self.comps[:, 1:] * w).sum(axis=1)
+            n_disk = (self.comps[:, 2:] * w[1:]).sum(axis=1)  # SM only, E only, miss: they read
+            self.values = np.where(n > 0, at(n), linear)
+            only_compressed = (n > 0) & (n_disk == 0)
+            self.values = np.where(only_compressed, np.minimum(self.values, linear), self.values)
+            if self.beta is not None:
+                beside = at(n_disk) + self.comps[:, 1] * self.beta
+                self.values = np.where(n_disk > 0, beside, self.values)
         else:
-            self.values = self.comps @ a
+            self.values = linear
         if self.graphs:
             self.values[self.comps[:, 0] == self.k] = 0.0
+
+    @classmethod
+    def of(cls, k: int, step_costs: dict) -> "StepTable":
+        """The table for a profile's ``step_costs`` (runtime/plan/passes.py ``state_step_costs``)."""
+        sc = step_costs
+        return cls(k, sc["per_expert_s"], bool(sc.get("graphs")), sc.get("miss_curve_s"),
+                   sc.get("compressed_beside_misses_s"))
 
 
 class LayerSet:

@@ -218,15 +218,20 @@ def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
     return steps
 
 
-def lone_miss_pass(model, rt, prompt, forced, misses: int = 1) -> dict:
+def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None = None) -> dict:
     """Every sparse layer with exactly ``misses`` of its chosen experts a miss, the others full
     hits: before each step, those experts (the highest ids the step's routing chose, known from a
     first pass) are dropped from a cache that holds every expert. A layer's fetches then cannot
     overlap each other as the all-miss pass's do: the latency of a lone fetch, not its share of
-    a layer's throughput."""
+    a layer's throughput. ``rest="compressed"``: the others compressed hits instead (a cache of
+    one compressed pool as large as the runtime's pools, holding every expert the stream uses):
+    what a compressed hit adds beside misses (:func:`state_step_costs`, β)."""
+    from zipmoe.runtime.engine.cache import ExpertCache
+
     routing = routing_of(model, rt, prompt, forced)
     graphs = rt.sparse_graphs
     steps = iter(routing)
+    old = None
 
     def drop() -> None:
         for layer, experts in next(steps, []):
@@ -235,14 +240,25 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1) -> dict:
                     rt.cache.drop(t.uid)
 
     try:
+        if rest == "compressed":
+            old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
+        elif rest is not None:
+            raise ValueError(f"rest: None or 'compressed', got {rest!r}")
         _run_stream(model, rt, prompt, forced)  # warm: every expert the stream uses admitted again
         times, d = _run_stream(model, rt, prompt, forced, between_steps=drop)
     finally:
+        if old is not None:
+            rt.swap_cache(old)
         rt.sparse_graphs = graphs
     uses = max(1, sum(d["hits"].values()))
-    return {"state": f"{misses} miss per layer", "misses_per_layer": misses, "steps": len(times),
-            "step_s": float(np.median(times)) if times else None, "step_s_all": [float(t) for t in times],
-            **_layer_figures(d), "miss_share": d["hits"].get("none", 0) / uses, "hits": dict(d["hits"])}
+    out = {"state": f"{misses} miss per layer" + (f", the rest {rest}" if rest else ""), "misses_per_layer": misses,
+           "steps": len(times), "step_s": float(np.median(times)) if times else None,
+           "step_s_all": [float(t) for t in times], **_layer_figures(d),
+           "miss_share": d["hits"].get("none", 0) / uses, "hits": dict(d["hits"]),
+           "admit_s": float(d["time_s"]["admit"])}
+    if rest:
+        out["rest"], out["rest_share"] = rest, d["hits"].get(rest, 0) / uses
+    return out
 
 
 def served_pass(model, rt, prompt, forced, capacity: int) -> dict:
@@ -339,6 +355,24 @@ def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | Non
             curve[int(p["misses_per_layer"])] = max(0.0, (float(p["step_s"]) - base) / max(1, int(sparse_layers)))
     if curve:
         out["miss_curve_s"] = {str(j): curve[j] for j in sorted(curve)}
+    # β: what one compressed hit adds to a layer beside j misses (the pass with j misses and the
+    # rest compressed hits, over the curve's j misses and the rest full hits), per compressed hit.
+    # That pass's misses are admitted into its compressed pool, a copy on the serving thread the
+    # planner charges apart (admit_bw): the admission time it spent beyond the curve's pass is
+    # taken out first
+    mixed = passes.get("compressed_beside_misses")
+    k, L = int(top_k), max(1, int(sparse_layers))
+    if mixed and mixed.get("step_s") is not None and curve:
+        j = int(mixed["misses_per_layer"])
+        lone = passes.get(f"misses_{j}") or {}
+        if j in curve and 0 < j < k:
+            def admit_per_layer(p):
+                return float(p.get("admit_s") or 0.0) / max(1, int(p.get("steps") or 1)) / L
+            extra_admit = max(0.0, admit_per_layer(mixed) - admit_per_layer(lone))
+            layer = max(0.0, (float(mixed["step_s"]) - base) / L - extra_admit)
+            out["compressed_beside_misses_s"] = max(0.0, (layer - curve[j]) / (k - j))
+            out["compressed_beside_misses_at"] = j
+            out["compressed_beside_misses_admit_s"] = extra_admit
     return out
 
 
@@ -418,6 +452,9 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             if budget >= want:  # every expert resident: j misses per layer, the others full hits
                 for j in miss_counts(layout.top_k):
                     passes[f"misses_{j}"] = lone_miss_pass(model, rt, prompt, stream, j)
+                if layout.top_k > 1:  # half of them misses, the others compressed hits (β)
+                    passes["compressed_beside_misses"] = lone_miss_pass(model, rt, prompt, stream, layout.top_k // 2,
+                                                                 rest="compressed")
             out["states"] = passes
             # the older fits (schedule model, runtime/plan/fits.py) read these two
             out["serving"] = passes["none"]

@@ -100,8 +100,9 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: what a cached profile must have been measured by: 2 = the served passes teacher-force the
 #: corpus and measure every cache state (``step_costs``, 2 Dec 2026); 3 = without CUDA graphs the
 #: misses' costs are fitted to a served run at capacity (``step_costs["served_fit"]``, 5 Dec 2026);
-#: 4 = the host pools' admission copy rate (``costs.admit_bw``, 6 Dec 2026); older ones are measured again
-PROFILE_REVISION = 4
+#: 4 = the host pools' admission copy rate (``costs.admit_bw``, 6 Dec 2026); 5 = what a compressed hit adds
+#: beside misses (``step_costs["compressed_beside_misses_s"]``, 7 Dec 2026); older ones are measured again
+PROFILE_REVISION = 5
 
 
 # ---------------------------------------------------------------------------------- identity

@@ -342,7 +342,7 @@ def model_run(steps, runtime, profile: dict, prefill_steps: int = 1, before: lis
     decode_steps = max(0, len(steps or []) - prefill_steps)
     if not decode_steps or not any(c.decode for c in calls):
         return None
-    table = StepTable(runtime.top_k, per, bool(sc.get("graphs")), sc.get("miss_curve_s"))
+    table = StepTable.of(runtime.top_k, sc)
     first = list(before or [])
     sm = getattr(runtime, "slots", None)  # the run's own arenas (its pool bytes are theirs already)
     arenas = {key: arena.slots for key, arena in sm.arenas.items()} if sm is not None else False
