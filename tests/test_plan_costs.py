@@ -148,19 +148,6 @@ def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():
     assert any("against" in line and "full tensors only" in line for line in plan["explain"])
 
 
-def test_the_margin_is_smaller_for_full_and_compressed_slots_only():
-    """A plan of full and compressed slots (a compressed hit reads nothing; measured beside misses)
-    needs 5% over full tensors only; one with SM-only or E-only slots (the mixes the model
-    overrated, §22k-l) needs 10%."""
-    from zipmoe.runtime.plan.planner import PREFER_FULL_MARGIN_COMPRESSED, margin_for
-
-    assert PREFER_FULL_MARGIN_COMPRESSED < PREFER_FULL_MARGIN
-    assert margin_for({"full": 3, "compressed": 1.5, "sm_only": 0, "e_only": 0}) == PREFER_FULL_MARGIN_COMPRESSED
-    assert margin_for({"compressed": 4}) == PREFER_FULL_MARGIN_COMPRESSED
-    assert margin_for({"full": 3, "compressed": 1, "sm_only": 0.2}) == PREFER_FULL_MARGIN
-    assert margin_for({"full": 3, "e_only": 2}) == PREFER_FULL_MARGIN
-
-
 def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkeypatch):
     from zipmoe.runtime.plan import planner
 
@@ -168,7 +155,6 @@ def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkey
     prof = _profile({"full": 0.0001, "compressed": 0.0004, "sm_only": 0.0030, "e_only": 0.0040, "none": 0.0100})
     budget = layout.min_budget(1) + layout.total_expert_full // 3
     monkeypatch.setattr(planner, "PREFER_FULL_MARGIN", 0.99)  # nothing can be that much faster
-    monkeypatch.setattr(planner, "PREFER_FULL_MARGIN_COMPRESSED", 0.99)
     plan = planner.make_plan(layout, budget, stats, prof, workers=1)
     assert plan["slots"]["per_layer"]["compressed"] == 0 and plan["slots"]["per_layer"]["full"] > 0
     # it says what it passed over: the best mix's figure against full tensors only, and the margin
@@ -349,6 +335,27 @@ def test_uses_are_counted_per_layer_call_and_logged_on_request():
     for i in range(RECENT_CALLS + 5):
         c.add_layer(i % 2, 0.0, [i % 7])
     assert len(c.recent_calls) == RECENT_CALLS and c.recent_calls[-1] == ((RECENT_CALLS + 4) % 2, ((RECENT_CALLS + 4) % 7,))
+
+
+def test_a_failing_beside_pass_costs_only_beta(container, monkeypatch):
+    """The pass of misses beside compressed hits is optional: if it fails, the profile keeps every
+    other per-state cost (and says why), and the planner counts those layers as before."""
+    from zipmoe.runtime.plan import passes
+
+    real = passes.lone_miss_pass
+
+    def broken(*a, rest=None, **kw):
+        if rest == "compressed":
+            raise RuntimeError("no compressed pool here")
+        return real(*a, rest=rest, **kw)
+
+    monkeypatch.setattr(passes, "lone_miss_pass", broken)
+    path, _cid, layout = container
+    out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=0)
+    assert "serving_error" not in out and out["beside_error"] == "RuntimeError: no compressed pool here"
+    sc = out["step_costs"]
+    assert set(sc["per_expert_s"]) == set(POOL_ORDER) and "miss_curve_s" in sc
+    assert "compressed_beside_misses_s" not in sc
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -25,7 +25,7 @@ from zipmoe.runtime.plan.search import POOLS, search
 from zipmoe.runtime.plan.stats import ActivationStats
 from zipmoe.runtime.plan.profile import costs_of
 
-__all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT", "part_slot_corners", "margin_for"]
+__all__ = ["PLAN_FORMAT", "make_plan", "Planner", "ASSIGNMENT", "part_slot_corners"]
 
 PLAN_FORMAT = "zipmoe-plan/1"
 #: a mixed plan is chosen over full tensors only when it is predicted at least this much faster:
@@ -34,22 +34,10 @@ PLAN_FORMAT = "zipmoe-plan/1"
 #: the model's measured error on mixes with SM-only or E-only pools: on the H100 a mix predicted 5%
 #: faster ran 4% slower (§22k), on the CPU box one predicted 9% faster ran 4% slower and 4.5% faster
 #: in two rounds (§22l), while full tensors only was predicted within 0.88-1.14x. (3% until 6 Dec.)
+#: 5% for full and compressed slots only was tried on 7 Dec (§22o): the CPU box's planner then chose
+#: compressed only at 400M and full + compressed at 800M, which measured 1.031x and 0.986x full
+#: tensors only in three paired rounds (level), so the one margin stays
 PREFER_FULL_MARGIN = 0.10
-#: the margin for a plan of full and compressed slots only (7 Dec): a compressed hit reads nothing
-#: from the disk and is measured beside misses (profile revision 5), and compressed only was
-#: underrated, never overrated: the fastest single-pool plan at 8G on both boxes while predicted
-#: slower (§22o; on the CPU box, with β, predicted 0.94x and measured 0.89x full tensors only)
-PREFER_FULL_MARGIN_COMPRESSED = 0.05
-
-
-def margin_for(slots: dict) -> float:
-    """How much faster than full tensors only a plan must be predicted to be chosen:
-    :data:`PREFER_FULL_MARGIN_COMPRESSED` for full and compressed slots only, else
-    :data:`PREFER_FULL_MARGIN`."""
-    disk_states = any(float(slots.get(p, 0)) > 0 for p in ("sm_only", "e_only"))
-    return PREFER_FULL_MARGIN if disk_states else PREFER_FULL_MARGIN_COMPRESSED
-
-
 #: how many of the search's best candidates (besides the single-pool plans) a replay judges again
 REPLAY_SHORTLIST = 12
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
@@ -183,14 +171,13 @@ class Planner:
 
     def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
         """Whether a mixed plan is worth leaving full tensors only for: predicted at least
-        :func:`margin_for` faster, and, with a replay, on each half of the recorded prompts as
+        ``PREFER_FULL_MARGIN`` faster, and, with a replay, on each half of the recorded prompts as
         well (a short calibration replayed whole can favour a plan by the luck of its few tokens:
         the candidates are many and close). Returns ``(verdict, [(plan s, full s) per half])``."""
-        m = margin_for(slots)
-        if self.judged_s(slots) > (1 - m) * self.judged_s(full):
+        if self.judged_s(slots) > (1 - PREFER_FULL_MARGIN) * self.judged_s(full):
             return False, []
         halves = [(self._half_s(h, slots), self._half_s(h, full)) for h in self.halves]
-        return all(a <= (1 - m) * b for a, b in halves), halves
+        return all(a <= (1 - PREFER_FULL_MARGIN) * b for a, b in halves), halves
 
     def judged_s(self, slots: dict[str, float]) -> float:
         """What a plan is chosen by: its time per token on the replayed routing (cold) when there
@@ -321,7 +308,7 @@ class Planner:
                            if halves else "")
                     lines.append(f"the best mix found (slots per layer: {mix}) is predicted {1e3 * t_mix:.2f} ms "
                                  f"({t_full / max(1e-12, t_mix):.3f}x full tensors only{why}); a mix must be "
-                                 f"{100 * margin_for(passed_over):.0f}% faster{' on each half' if halves else ''} to be chosen")
+                                 f"{100 * PREFER_FULL_MARGIN:.0f}% faster{' on each half' if halves else ''} to be chosen")
             else:
                 lines.append(f"predicted {1e3 * t_best:.2f} ms per token against {1e3 * t_full:.2f} ms with full tensors only "
                              f"({t_full / max(1e-12, t_best):.2f}x)")
