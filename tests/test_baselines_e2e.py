@@ -29,6 +29,8 @@ def tiny(tmp_path_factory):
     pack(root / "qw", root / "qw.zmoe")
     synth.write("deepseek_v2", root / "ds", preset="tiny", seed=0, force=True, progress=False)
     pack(root / "ds", root / "ds.zmoe")
+    synth.write("switch_transformers", root / "sw", preset="tiny", seed=0, force=True, progress=False)
+    pack(root / "sw", root / "sw.zmoe")
     return root
 
 
@@ -51,8 +53,11 @@ def _missing_extra(code, cap, doc, engine):
     assert [d["engine"] for d in doc["results"] if d["ok"]] == ["zipmoe"]
 
 
-def test_deepspeed_cpu_offload_runs_outside_the_budget(tiny, capsys, monkeypatch):
-    code, cap, doc = _bench(tiny, "deepspeed", capsys, "ds-cpu", "--deepspeed-offload", "cpu")
+@pytest.mark.parametrize("model", ["mx", "sw"])
+def test_deepspeed_cpu_offload_runs_outside_the_budget(tiny, capsys, monkeypatch, model):
+    """sw: SwitchTransformers, whose float32 router met ZeRO-3's bf16 weights and stopped (§27)
+    until its classifier casts the gathered weight at the call (deepspeed_engine.keep_router_dtype)."""
+    code, cap, doc = _bench(tiny, "deepspeed", capsys, f"ds-cpu-{model}", "--deepspeed-offload", "cpu", model=model)
     if importlib.util.find_spec("deepspeed") is None:
         return _missing_extra(code, cap, doc, "deepspeed")
     assert code == 0, cap.err[-3000:]
@@ -61,6 +66,7 @@ def test_deepspeed_cpu_offload_runs_outside_the_budget(tiny, capsys, monkeypatch
     assert "outside the budget" in ds["budget_broken"] and ds["runs"][0]["budget_broken"]
     assert ds["runs"][0]["generated"] == 4
     assert doc["token_check"]["same"], doc["token_check"]  # the same transformers model: the same greedy tokens
+    assert bool(ds["load_info"].get("routers_cast_at_call")) == (model == "sw")  # only Switch has float32 routers
     assert "broke the budget" in cap.out and "†" in cap.out  # bench's footer and the paper's tables say so
 
 

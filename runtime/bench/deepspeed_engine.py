@@ -404,9 +404,36 @@ def load(spec: dict, from_pretrained, info: dict):
     if offload == "nvme":
         info["libaio"] = loaded_libaio()
     model = eng.module
+    routers = keep_router_dtype(model)
+    if routers:
+        info["routers_cast_at_call"] = routers
     model._zipmoe_ds_engine = eng  # keep the engine (and its swapper) alive
     model._zipmoe_hf_ds = hf_ds
     return model, info
+
+
+def keep_router_dtype(model) -> int:
+    """SwitchTransformers' router computes in its own dtype (``config.router_dtype``, float32): it
+    casts its input and its classifier to it before the matmul. Under ZeRO-3 the classifier's
+    weight is gathered in the engine's bf16 at every call, whatever the module was cast to, so the
+    matmul met a float32 input and a bf16 weight and stopped (§27). Each such classifier now
+    casts its gathered weight (and bias) to the input's dtype at the call: the float32 product
+    transformers computes from the same bf16 weights. Returns how many routers were changed."""
+    import torch
+    import torch.nn.functional as F
+
+    n = 0
+    for m in model.modules():
+        lin = getattr(m, "classifier", None)
+        if (type(m).__name__.endswith("Router") and isinstance(getattr(m, "dtype", None), torch.dtype)
+                and isinstance(lin, torch.nn.Linear)):
+            def forward(x, lin=lin):
+                bias = lin.bias.to(x.dtype) if lin.bias is not None else None
+                return F.linear(x, lin.weight.to(x.dtype), bias)
+
+            lin.forward = forward
+            n += 1
+    return n
 
 
 def _checkpoint_dtype(source, torch):
