@@ -34,7 +34,9 @@
 #
 # Settings (environment): LAYERS, ENGINES, PROFILE_TOKENS (decode-gpu); BUDGET, TIME_LIMIT (decode-gpu's miss
 # bench, cpu-tables); BUDGETS, TOKENS, RUNS, ACC_TIME_LIMIT, BENCH_EXTRA, PLAN_PROMPTS, PLAN_LIMIT (cache: the profile and calibrations stage, s), CACHE_TIME_LIMIT (cache: s per run), CACHE_ENGINES
-# and CACHE_ENGINES_<budget> (cache: the engines at every / one budget, e.g. CACHE_ENGINES_8G), DEVICE and
+# and CACHE_ENGINES_<budget> (cache: the engines at every / one budget, e.g. CACHE_ENGINES_8G), CACHE_BENCH_ROUNDS[_<budget>]
+# (cache: paired rounds of those engines), CACHE_SINGLES, CACHE_SINGLES_BUDGETS, CACHE_SINGLES_ENGINES, CACHE_SINGLES_ROUNDS
+# (cache: `zipmoe plan --only POOL` plans run beside the chosen one), DEVICE and
 # the rest of the model stages' (above hl_env below); QWEN_STAGES (headline); DEMO_CPUS,
 # DEMO_BUDGETS, DEMO_SYNTH (demo-cpu); ZMOE, SOURCE (the demo's container and source folder:
 # out/demo.zmoe, out/demo), EXTRA (cpu-tables: more bench options); WORKERS (codecs).
