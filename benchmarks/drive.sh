@@ -616,10 +616,15 @@ paper_aio() {  # libaio (carried as source in .aio/) into /tmp/aio; DeepSpeed's 
     # that bench's own build step finds it built)
     x bash "$REPO/benchmarks/libaio_build.sh" build "$(ls "$REPO"/.aio/libaio-*.tar.gz | head -1)" /tmp/aio
     # (the image's TORCH_CUDA_ARCH_LIST held 9.0a, which DeepSpeed 0.19 cannot parse: bench passes it the plain capability, so does this)
-    x env TORCH_CUDA_ARCH_LIST="$(python3 -c 'import os
+    x env TORCH_CUDA_ARCH_LIST="$(ds_arch_list)" bash "$REPO/benchmarks/libaio_build.sh" check /tmp/aio "$WORK/aio-check"
+}
+ds_arch_list() {  # TORCH_CUDA_ARCH_LIST as bench hands it to DeepSpeed (the installed package's; run from /tmp, where
+    # the checkout's own zipmoe/ folder does not shadow it); a dry run names it
+    if [ -n "$DRY" ]; then echo '<deepspeed_arch_list of $TORCH_CUDA_ARCH_LIST>'; return 0; fi
+    (cd /tmp && python3 -c 'import os
 from zipmoe.runtime.bench.deepspeed_engine import deepspeed_arch_list as f
 v = os.environ.get("TORCH_CUDA_ARCH_LIST")
-print(f(v) or v or "")')" bash "$REPO/benchmarks/libaio_build.sh" check /tmp/aio "$WORK/aio-check"
+print(f(v) or v or "")')
 }
 
 paper_llamacpp() {  # llama.cpp's own converter (carried in .lcp/) and a CPU build of llama-cpp-python (.lcp/dist/, built on the
