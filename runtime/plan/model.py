@@ -173,7 +173,7 @@ class StepTable:
                  compressed_beside_misses_s: float | None = None) -> None:
         self.k, self.graphs = int(k), bool(graphs)
         self.per_expert_s = {s: float(per_expert_s[s]) for s in POOL_ORDER}
-        self.beta = None if compressed_beside_misses_s is None else max(0.0, float(compressed_beside_misses_s))
+        beta = None if compressed_beside_misses_s is None else max(0.0, float(compressed_beside_misses_s))
         self.comps = compositions(self.k)
         a = np.array([self.per_expert_s[s] for s in POOL_ORDER])
         curve = {int(j): float(v) for j, v in (miss_curve_s or {}).items()}
@@ -193,8 +193,8 @@ class StepTable:
             self.values = np.where(n > 0, at(n), linear)
             only_compressed = (n > 0) & (n_disk == 0)
             self.values = np.where(only_compressed, np.minimum(self.values, linear), self.values)
-            if self.beta is not None:
-                beside = at(n_disk) + self.comps[:, 1] * self.beta
+            if beta is not None:
+                beside = at(n_disk) + self.comps[:, 1] * beta
                 self.values = np.where(n_disk > 0, beside, self.values)
         else:
             self.values = linear

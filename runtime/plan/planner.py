@@ -399,16 +399,24 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         if not ok:
             passed_over = dict(best)  # the best mix found, kept for the explanation
             best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
+    # each single-pool plan described once (a description replays the routing); the chosen plan
+    # and the planner's choice that --only replaces reuse the description of the same slots
+    alternatives, described = {}, []
+    for name, slots in singles.items():
+        alternatives["no cache" if name == "none" else f"{name} only"] = d = planner.describe(slots)
+        described.append((slots, d))
+
+    def describe(slots: dict) -> dict:
+        same = next((d for s, d in described if dict(s) == dict(slots)), None)
+        return dict(same) if same is not None else planner.describe(slots)
+
     pinned = None
     if only is not None:
         if only not in POOLS:
             raise ValueError(f"only: one of {', '.join(POOLS)}, got {only!r}")
-        pinned = planner.describe(best)  # the planner's own choice, for the record
+        pinned = describe(best)  # the planner's own choice, for the record
         best = dict(singles[only])
-    chosen = planner.describe(best)
-    alternatives = {}
-    for name, slots in singles.items():
-        alternatives["no cache" if name == "none" else f"{name} only"] = planner.describe(slots)
+    chosen = describe(best)
     used = sum(chosen["pools"].values())
     working = budget - layout.dense_bytes - pool_bytes  # decode scratch + experts in flight (runtime.engine.core)
     prof_summary = {
