@@ -303,6 +303,14 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     # the rank model's mix is not trusted without recorded routing to replay (test below)
     assert "the mix it fitted is not used: 0 recorded decode layer calls" in line2
     assert plan2["pools"]["compressed"] == plan2["pools"]["sm_only"] == plan2["pools"]["e_only"] == 0
+    assert "other processes" not in line2
+    # a profile measured on a busy machine: the line says so first (runtime/plan/busy.py)
+    save_profile({**prof, "load": {"others_cores": 1.5, "cores": 2, "wall_s": 20.0}},
+                 default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    busy_line = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)[1]
+    assert busy_line.startswith("warning: the profile was measured while other processes kept 1.5 of 2 cores busy")
+    assert busy_line.splitlines()[-1].startswith("default plan: fitted at load")
+    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     # a profile measured with another queue depth is not this machine's profile any more
     assert default_plan(path, budget, "cpu", 1, tmp_path, readers=2)[1].startswith("default plan: full tensors only")
     # nor one measured before the admission rate was (revision 4): its mixes would not be charged for it

@@ -187,6 +187,8 @@ def test_profile_is_measured_cached_and_remeasured_when_the_file_changes(contain
     assert prof["disk"]["method"] in ("O_DIRECT", "pread+fadvise(DONTNEED)")
     c = costs_of(prof)
     assert c.disk_bw > 0 and c.decomp_bw_per_worker > 0 and c.merge_bw > 0 and c.compute_s_per_expert > 0
+    # the other processes' CPU use meanwhile (runtime/plan/busy.py)
+    assert prof["load"]["others_cores"] >= 0 and prof["load"]["wall_s"] > 0 and prof["load"]["cores"] >= 1
     assert get_profile(path, cid, "cpu", workers=1, quick=True, cache_dir=cache)[1] == "cached"
     assert not _cache.exists()  # the library reads no ZIPMOE_CACHE_DIR
     assert get_profile(path, cid, "cpu", workers=1, quick=True)[1] == "measured"  # no cache_dir: no cache
@@ -280,8 +282,13 @@ def test_profile_only_shows_the_profile(container, tmp_path, capsys):
     prof = _profile(path, cid, tmp_path)
     code, stdout, _ = _run(["plan", path, "--profile-only", "--profile", prof, "--json"], capsys)
     assert code == 0 and json.loads(stdout)["costs"]["disk_bw"] == 1.0e9
-    code, stdout, _ = _run(["plan", path, "--profile-only", "--profile", prof], capsys)
-    assert code == 0 and "O_DIRECT" in stdout and "decompress" in stdout
+    code, stdout, stderr = _run(["plan", path, "--profile-only", "--profile", prof], capsys)
+    assert code == 0 and "O_DIRECT" in stdout and "decompress" in stdout and "other processes" not in stderr
+    # measured while other processes kept most of the machine busy: one warning line, still exit 0
+    data = json.loads(prof.read_text())
+    prof.write_text(json.dumps({**data, "load": {"others_cores": 1.6, "cores": 2, "wall_s": 30.0}}))
+    code, stdout, stderr = _run(["plan", path, "--profile-only", "--profile", prof], capsys)
+    assert code == 0 and "other processes kept 1.6 of 2 cores busy" in " ".join(stderr.split())
 
 
 def test_calibrate_runs_the_model_through_the_runtime(container, tmp_path, capsys, _cache):

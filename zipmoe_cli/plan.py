@@ -71,6 +71,7 @@ def plan(
     from zipmoe.runtime.plan.layout import container_layout
     from zipmoe.runtime.plan.planner import REPLAY_SHORTLIST, make_plan
     from zipmoe.runtime.plan.stats import from_traces, uniform
+    from zipmoe.runtime.plan.busy import busy_warning
     from zipmoe.runtime.plan.profile import get_profile
     from zipmoe.units import format_size, parse_size
 
@@ -131,6 +132,9 @@ def plan(
                                cache_dir=cache_dir(), load_options=measure_options,
                                **({"readers": readers} if readers is not None else {}))
     where = str(profile) if profile is not None else "cache"
+    busy = busy_warning(prof)
+    if busy and not as_json:
+        err.print(busy, style="yellow", markup=False, highlight=False)
     if profile_only:
         if as_json:
             con.print_json(json.dumps(prof))

@@ -181,8 +181,12 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
     line = (f"default plan: fitted at load from the cached profile and {what}: {pools or 'no pools'}, "
             f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per token")
-    if warn:
-        line = warn + "\n" + line
+    from zipmoe.runtime.plan.busy import busy_warning
+
+    busy = busy_warning(prof)
+    for w in (busy, warn):
+        if w:
+            line = w + "\n" + line
     plan["source"] = "default"
     return plan, line
 

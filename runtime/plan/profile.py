@@ -137,7 +137,17 @@ def measure(path, device: str = "cpu", workers: int | None = None, quick: bool =
             readers: int = DEFAULT_READERS, load_options: dict | None = None) -> dict:
     """Measure everything for ``path`` on ``device``; returns the profile dict (not saved).
     ``load_options``: more keyword arguments of ``runtime.engine.loader.load`` for the serving
-    passes (``prefetch``, ``force``: what the command line was given); they load with ``readers``."""
+    passes (``prefetch``, ``force``: what the command line was given); they load with ``readers``.
+    ``load`` records the other processes' CPU use meanwhile (runtime/plan/busy.py)."""
+    from zipmoe.runtime.plan.busy import OtherLoad
+
+    with OtherLoad() as others:
+        prof = _measure(path, device, workers, quick, dtype, readers, load_options)
+    prof["load"] = others.result
+    return prof
+
+
+def _measure(path, device, workers, quick, dtype, readers, load_options) -> dict:
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import container_layout, expert_tensors
 
