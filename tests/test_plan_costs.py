@@ -500,3 +500,54 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     assert plan["pools"]["compressed"] > 0, line
     plan, line = fitted(1.0, tmp_path / "b")  # a byte a second: no mix pays its copies
     assert "full tensors only" in line and plan["pools"]["compressed"] == 0, line
+
+
+def _judged_planner(times: dict, halves: dict):
+    """A Planner whose judgements are given: ``times[name]`` the whole replay's seconds per token,
+    ``halves[name]`` each half's; plans are ``{"full": .., ...}`` slot dicts named by their key."""
+    from zipmoe.runtime.plan.planner import Planner
+
+    p = Planner.__new__(Planner)
+    name = lambda slots: next(k for k, v in PLANS.items() if dict(v) == dict(slots))  # noqa: E731
+    p.judged_s = lambda slots: times[name(slots)]
+    p.halves = [0, 1]
+    p._half_s = lambda h, slots: halves[name(slots)][h]
+    return p
+
+
+PLANS = {"full": {"full": 10.0, "compressed": 0, "sm_only": 0, "e_only": 0},
+         "compressed": {"full": 0, "compressed": 15.7, "sm_only": 0, "e_only": 0},
+         "mix": {"full": 0, "compressed": 13.7, "sm_only": 0, "e_only": 8.0},
+         "e_only": {"full": 0, "compressed": 0, "sm_only": 0, "e_only": 60.0}}
+
+
+def test_leaving_full_tensors_takes_the_fastest_plan_that_gains_enough_and_the_simplest_of_equals(monkeypatch):
+    """The H200's case (docs/benchmarks.md §22p): the fastest mix and compressed only predicted
+    ~1.12x faster than full tensors only and ~1.09x on each half. Each half is held to half the
+    margin, and compressed only, 0.3% slower than the mix, is chosen for having one pool."""
+    from zipmoe.runtime.plan import planner as P
+
+    times = {"full": 0.580, "mix": 0.5178, "compressed": 0.5193, "e_only": 0.622}
+    halves = {"full": (0.577, 0.608), "mix": (0.5255, 0.5574), "compressed": (0.526, 0.556), "e_only": (0.62, 0.63)}
+    p = _judged_planner(times, halves)
+    cands = [PLANS[k] for k in ("mix", "compressed", "e_only", "full")]
+    chosen, hv, fastest = p.leave_full(cands, PLANS["full"])
+    assert chosen == PLANS["compressed"] and fastest == PLANS["mix"] and len(hv) == 2
+    # held to the whole margin on each half (the rule until 7 Dec), nothing leaves full tensors
+    monkeypatch.setattr(P, "HALF_SHARE", 1.0)
+    assert p.leave_full(cands, PLANS["full"]) == (None, [], PLANS["mix"])
+    monkeypatch.setattr(P, "HALF_SHARE", 0.5)
+    # compressed only failing a half: the mix that passes is chosen
+    p = _judged_planner(times, {**halves, "compressed": (0.526, 0.60)})
+    assert p.leave_full(cands, PLANS["full"])[:2][0] == PLANS["mix"]
+    # the mix failing a half and compressed only, next, passing: compressed only, the mix named
+    p = _judged_planner(times, {**halves, "mix": (0.5255, 0.59)})
+    chosen, _hv, fastest = p.leave_full(cands, PLANS["full"])
+    assert chosen == PLANS["compressed"] and fastest == PLANS["mix"]
+    # a plan of fewer pools predicted more than 1% slower is not preferred
+    p = _judged_planner({**times, "compressed": 0.5250}, halves)
+    chosen, _hv, fastest = p.leave_full(cands, PLANS["full"])
+    assert chosen == PLANS["mix"] and fastest is None
+    # nothing 10% faster on the whole: full tensors only, the fastest named
+    p = _judged_planner({**times, "mix": 0.53, "compressed": 0.531}, halves)
+    assert p.leave_full(cands, PLANS["full"]) == (None, [], PLANS["mix"])

@@ -38,6 +38,16 @@ PLAN_FORMAT = "zipmoe-plan/1"
 #: compressed only at 400M and full + compressed at 800M, which measured 1.031x and 0.986x full
 #: tensors only in three paired rounds (level), so the one margin stays
 PREFER_FULL_MARGIN = 0.10
+#: with a replay, a plan that leaves full tensors only must also be faster on each half of the
+#: recorded prompts, by this share of the margin: the halves check that the gain is not the luck of
+#: a few tokens, and each has half the tokens, so its figure is noisier than the whole's. (The whole
+#: margin until 7 Dec: on the H200 the best mix and compressed only were predicted 1.12x faster than
+#: full tensors only and 1.09-1.10x on the halves, so full tensors only was kept; compressed only
+#: then measured 0.927x its time per token, docs/benchmarks.md §22p)
+HALF_SHARE = 0.5
+#: candidates predicted within this of the fastest that passes are equal to the model: the one with
+#: the fewest pools is chosen (fewer states whose costs must be right, fewer admission copies)
+SIMPLER_WITHIN = 0.01
 #: how many of the search's best candidates (besides the single-pool plans) a replay judges again
 REPLAY_SHORTLIST = 12
 ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill full, then compressed, "
@@ -171,13 +181,45 @@ class Planner:
 
     def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
         """Whether a mixed plan is worth leaving full tensors only for: predicted at least
-        ``PREFER_FULL_MARGIN`` faster, and, with a replay, on each half of the recorded prompts as
-        well (a short calibration replayed whole can favour a plan by the luck of its few tokens:
-        the candidates are many and close). Returns ``(verdict, [(plan s, full s) per half])``."""
+        ``PREFER_FULL_MARGIN`` faster, and, with a replay, faster on each half of the recorded
+        prompts by ``HALF_SHARE`` of that margin (a short calibration replayed whole can favour a
+        plan by the luck of its few tokens: the candidates are many and close). Returns
+        ``(verdict, [(plan s, full s) per half])``."""
         if self.judged_s(slots) > (1 - PREFER_FULL_MARGIN) * self.judged_s(full):
             return False, []
         halves = [(self._half_s(h, slots), self._half_s(h, full)) for h in self.halves]
-        return all(a <= (1 - PREFER_FULL_MARGIN) * b for a, b in halves), halves
+        return all(a <= (1 - HALF_SHARE * PREFER_FULL_MARGIN) * b for a, b in halves), halves
+
+    def leave_full(self, candidates: list, full: dict[str, float]) -> tuple[dict | None, list, dict | None]:
+        """The plan to choose over full tensors only, if any: the fastest of ``candidates`` (as
+        judged) that :meth:`beats_full`, or, among those predicted within ``SIMPLER_WITHIN`` of it
+        that also do, the one with the fewest pools. Returns ``(plan or None, its halves, the
+        fastest candidate when it was passed over)``: on the H200 the fastest mix (compressed and
+        E-only slots) failed a half where compressed only, 0.3% slower, would have been next."""
+        ranked, seen = [], set()
+        for c in sorted(candidates, key=self.judged_s):
+            key = tuple(sorted((p, float(v)) for p, v in c.items()))
+            if key not in seen and dict(c) != dict(full):
+                seen.add(key)
+                ranked.append(c)
+        if not ranked:
+            return None, [], None
+        t_full = self.judged_s(full)
+        passing: list = []
+        for c in ranked:
+            t = self.judged_s(c)
+            if t > (1 - PREFER_FULL_MARGIN) * t_full:
+                break  # sorted: none after it is fast enough either
+            if passing and t > (1 + SIMPLER_WITHIN) * self.judged_s(passing[0][0]):
+                break  # predicted slower than the fastest that passes
+            ok, halves = self.beats_full(c, full)
+            if ok:
+                passing.append((c, halves))
+        if not passing:
+            return None, [], ranked[0]
+        npools = lambda c: sum(1 for v in c.values() if float(v) > 0)  # noqa: E731
+        chosen, halves = min(passing, key=lambda ch: (npools(ch[0]), self.judged_s(ch[0])))
+        return chosen, halves, (ranked[0] if dict(ranked[0]) != dict(chosen) else None)
 
     def judged_s(self, slots: dict[str, float]) -> float:
         """What a plan is chosen by: its time per token on the replayed routing (cold) when there
@@ -253,11 +295,13 @@ class Planner:
         return float(per_layer.sum()) + self.dense_for(hits)
 
     def explain(self, chosen: dict[str, int], singles: dict, passed_over: dict | None = None,
-                halves: list | None = None) -> list[str]:
+                halves: list | None = None, simpler_than: dict | None = None) -> list[str]:
         """The arithmetic behind the choice, one line each: what one chosen expert costs in each
         state, what a slot of each pool holds, the chosen plan against full tensors only and,
         where full tensors only was kept over the best mix found (``passed_over``), that mix's
-        figure against it (``halves``: both on each half of the replayed prompts)."""
+        figure against it (``halves``: both on each half of the replayed prompts); where a plan of
+        fewer pools was chosen over a faster one predicted within ``SIMPLER_WITHIN`` of it
+        (``simpler_than``), or over one that failed a half, that one too."""
         lines = []
         if self.step_costs is not None:
             a = self.step_costs["per_expert_s"]
@@ -308,10 +352,24 @@ class Planner:
                            if halves else "")
                     lines.append(f"the best mix found (slots per layer: {mix}) is predicted {1e3 * t_mix:.2f} ms "
                                  f"({t_full / max(1e-12, t_mix):.3f}x full tensors only{why}); a mix must be "
-                                 f"{100 * PREFER_FULL_MARGIN:.0f}% faster{' on each half' if halves else ''} to be chosen")
+                                 f"{100 * PREFER_FULL_MARGIN:.0f}% faster"
+                                 + (f" and {100 * HALF_SHARE * PREFER_FULL_MARGIN:.0f}% on each half" if halves else "")
+                                 + " to be chosen")
             else:
+                why = (f"; on the halves of the prompts {', '.join(f'{1e3 * a:.2f} against {1e3 * b:.2f}' for a, b in halves)}"
+                       if halves else "")
                 lines.append(f"predicted {1e3 * t_best:.2f} ms per token against {1e3 * t_full:.2f} ms with full tensors only "
-                             f"({t_full / max(1e-12, t_best):.2f}x)")
+                             f"({t_full / max(1e-12, t_best):.2f}x{why})")
+                if simpler_than:
+                    t_fast = self.judged_s(simpler_than)
+                    mix = ", ".join(f"{p} {float(v):.2f}" for p, v in simpler_than.items() if float(v) > 0)
+                    verdict = ("predicted within "
+                               f"{100 * SIMPLER_WITHIN:.0f}%, so the plan of fewer pools is chosen"
+                               if t_best <= (1 + SIMPLER_WITHIN) * t_fast else
+                               f"it is not {100 * PREFER_FULL_MARGIN:.0f}% faster on the whole and "
+                               f"{100 * HALF_SHARE * PREFER_FULL_MARGIN:.0f}% on each half")
+                    lines.append(f"the fastest plan found (slots per layer: {mix}) is predicted {1e3 * t_fast:.2f} ms: "
+                                 f"{verdict}")
         return lines
 
     def describe(self, slots: dict[str, int]) -> dict:
@@ -386,19 +444,25 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     singles = {name: (s if name == "none" else planner.spend_rest(s, per_layer, pools=(name,)))
                for name, (s, _) in res.singles.items()}
     best = planner.spend_rest(res.best, per_layer)
+    shortlist = [best] + [s for name, s in singles.items() if name != "none"]
     if planner.replayer is not None:
         # the rank model found the candidates; the replayed routing judges the best of them
-        shortlist = [best] + list(singles.values())
         for s, _ in res.history[:REPLAY_SHORTLIST]:
             shortlist.append(planner.spend_rest(s, per_layer))
         best = min(shortlist, key=planner.judged_s)
     full_only = singles.get("full")
-    halves, passed_over = [], None
+    halves, passed_over, simpler_than = [], None, None
     if full_only is not None and best != full_only:
-        ok, halves = planner.beats_full(best, full_only)
-        if not ok:
-            passed_over = dict(best)  # the best mix found, kept for the explanation
+        # the fastest candidate that gains enough over full tensors only, on the whole and on each
+        # half (the simplest of those predicted equal); else full tensors only
+        leave, halves, fastest = planner.leave_full(shortlist, full_only)
+        if leave is None:
+            passed_over = dict(fastest)  # the fastest candidate, kept for the explanation
+            halves = planner.beats_full(passed_over, full_only)[1]
             best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
+        else:
+            simpler_than = dict(fastest) if fastest is not None else None
+            best = dict(leave)
     # each single-pool plan described once (a description replays the routing); the chosen plan
     # and the planner's choice that --only replaces reuse the description of the same slots
     alternatives, described = {}, []
@@ -473,7 +537,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
                        "mixed_against_full_by_half_s": [[float(a), float(b)] for a, b in halves]}
                       if planner.replayer is not None else {})},
         "hit_model": chosen["hit_model"],
-        "explain": (planner.explain(best, singles, passed_over, halves) if pinned is None else
+        "explain": (planner.explain(best, singles, passed_over, halves, simpler_than) if pinned is None else
                     [f"{only} only, as asked (--only): predicted {1e3 * chosen['expected_tpot_s']:.2f} ms per token; "
                      f"the planner's choice (slots per layer "
                      f"{', '.join(f'{p} {float(v):.2f}' for p, v in pinned['slots'].items() if float(v) > 0) or 'none'}) "
