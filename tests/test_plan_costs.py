@@ -393,6 +393,10 @@ def test_serving_passes_hold_each_state(container, device):
     assert adm["fetched"] == states["none"]["fetched"] > 0  # the same stream, every tensor fetched
     assert adm["admitted_bytes"] > 0 and adm["admit_s"] > 0
     assert adm["admit_bw"] is None or adm["admit_bw"] > 0
+    # emptying the pool between the steps freed what the steps admitted (all but the last's), timed
+    assert 0 < adm["freed_bytes"] <= adm["admitted_bytes"] and adm["free_s"] >= 0
+    if adm["admit_bw"] and adm["admit_and_free_bw"]:
+        assert adm["admit_and_free_bw"] <= adm["admit_bw"]
     sc = out["step_costs"]
     assert set(sc["per_expert_s"]) == set(POOL_ORDER)
     assert sc["per_expert_s"]["full"] == 0.0 or device == "cuda"

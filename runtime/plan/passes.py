@@ -173,15 +173,28 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
     ``costs.admit_bw`` charges a plan's host-pool admissions at (docs/planner.md, "Admission
     copies"). Measured while serving, it includes what a copy alone does not: the serving
     thread's wait for the GIL that eight decode workers and the readers share (on the H100 box
-    the copy alone ran at 7.5 GiB/s, §22l)."""
+    the copy alone ran at 7.5 GiB/s, §22l).
+
+    ``free_s``: the time emptying the pool took between the steps, recorded and not charged. A
+    run at capacity frees an evicted tensor's bytes inside each admission, which this pass, whose
+    pool starts every step empty, does not time; on the H200 a whole-model run spent about twice
+    per admitted byte what ``admit_bw`` charges (docs/benchmarks.md §22p)."""
     from zipmoe.runtime.engine.cache import ExpertCache
 
     cache = ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None)
     base: list = []
+    freed = {"s": 0.0, "bytes": 0}
 
     def between() -> None:
         if not base:  # what the prefill admitted is not the steps'
             base.append(cache.admitted["compressed"])
+        else:
+            held = cache.pools["compressed"].used
+            t0 = time.perf_counter()
+            cache.clear()
+            freed["s"] += time.perf_counter() - t0
+            freed["bytes"] += held
+            return
         cache.clear()
 
     old = rt.swap_cache(cache)
@@ -199,7 +212,10 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
     return {"state": "every fetch admitted", "steps": len(times),
             "step_s": float(np.median(times)) if times else None, "fetched": fetched,
             "admitted_bytes": int(admitted), "admit_s": admit_s, "miss_admit_s": book,
-            "admit_bw": admitted / copy_s if admitted and copy_s > 0 else None}
+            "admit_bw": admitted / copy_s if admitted and copy_s > 0 else None,
+            "free_s": freed["s"], "freed_bytes": int(freed["bytes"]),
+            "admit_and_free_bw": (admitted / (copy_s + freed["s"] * admitted / freed["bytes"])
+                                  if admitted and freed["bytes"] and copy_s + freed["s"] > 0 else None)}
 
 
 def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
