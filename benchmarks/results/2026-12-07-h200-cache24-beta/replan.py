@@ -1,8 +1,8 @@
 """The H200 sitting's 8G plan made again on the CPU box, from the sitting's profile and calibration
 (work/qwen-profile.json, work/qwen-calib.jsonl) and the same seeded synth container packed here
 (`zipmoe synth qwen2_moe --preset qwen1.5-moe-a2.7b --layout fused`, `zipmoe pack`: the same
-weights and sizes; its container id differs: the id is not a hash of the contents, and the file is 5
-bytes shorter, in the index's metadata, so the trace is read under this file's id), with the planner as it is now. `python replan.py QWEN.zmoe [BUDGET]`: prints the
+weights and sizes; its container id differs, since the id hashes the index and the index names the
+source folder, `qwen-src` there, so the trace is read under this file's id), with the planner as it is now. `python replan.py QWEN.zmoe [BUDGET]`: prints the
 choice, the single-pool plans and the arithmetic, and writes plan-8G-replanned.json beside it."""
 
 import json
