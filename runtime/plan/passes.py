@@ -186,16 +186,13 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
     freed = {"s": 0.0, "bytes": 0}
 
     def between() -> None:
-        if not base:  # what the prefill admitted is not the steps'
-            base.append(cache.admitted["compressed"])
-        else:
-            held = cache.pools["compressed"].used
-            t0 = time.perf_counter()
-            cache.clear()
-            freed["s"] += time.perf_counter() - t0
-            freed["bytes"] += held
-            return
+        held, t0 = cache.pools["compressed"].used, time.perf_counter()
         cache.clear()
+        if not base:  # what the prefill admitted (and freeing it) is not the steps'
+            base.append(cache.admitted["compressed"])
+            return
+        freed["s"] += time.perf_counter() - t0
+        freed["bytes"] += held
 
     old = rt.swap_cache(cache)
     try:

@@ -194,8 +194,9 @@ class Planner:
         """The plan to choose over full tensors only, if any: the fastest of ``candidates`` (as
         judged) that :meth:`beats_full`, or, among those predicted within ``SIMPLER_WITHIN`` of it
         that also do, the one with the fewest pools. Returns ``(plan or None, its halves, the
-        fastest candidate when it was passed over)``: on the H200 the fastest mix (compressed and
-        E-only slots) failed a half where compressed only, 0.3% slower, would have been next."""
+        fastest candidate when it was passed over)``; with no plan, the halves are the fastest
+        candidate's (empty where it fails the whole margin). On the H200 the fastest mix
+        (compressed and E-only slots) failed a half where compressed only, 0.3% slower, was next."""
         ranked, seen = [], set()
         for c in sorted(candidates, key=self.judged_s):
             key = tuple(sorted((p, float(v)) for p, v in c.items()))
@@ -206,17 +207,20 @@ class Planner:
             return None, [], None
         t_full = self.judged_s(full)
         passing: list = []
-        for c in ranked:
+        fastest_halves: list = []
+        for i, c in enumerate(ranked):
             t = self.judged_s(c)
             if t > (1 - PREFER_FULL_MARGIN) * t_full:
                 break  # sorted: none after it is fast enough either
             if passing and t > (1 + SIMPLER_WITHIN) * self.judged_s(passing[0][0]):
                 break  # predicted slower than the fastest that passes
             ok, halves = self.beats_full(c, full)
+            if i == 0:
+                fastest_halves = halves
             if ok:
                 passing.append((c, halves))
         if not passing:
-            return None, [], ranked[0]
+            return None, fastest_halves, ranked[0]
         npools = lambda c: sum(1 for v in c.values() if float(v) > 0)  # noqa: E731
         chosen, halves = min(passing, key=lambda ch: (npools(ch[0]), self.judged_s(ch[0])))
         return chosen, halves, (ranked[0] if dict(ranked[0]) != dict(chosen) else None)
@@ -457,8 +461,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         # half (the simplest of those predicted equal); else full tensors only
         leave, halves, fastest = planner.leave_full(shortlist, full_only)
         if leave is None:
-            passed_over = dict(fastest)  # the fastest candidate, kept for the explanation
-            halves = planner.beats_full(passed_over, full_only)[1]
+            passed_over = dict(fastest)  # the fastest candidate (halves: its), kept for the explanation
             best = dict(full_only)  # not enough of a gain (or not on every half) to leave full tensors
         else:
             simpler_than = dict(fastest) if fastest is not None else None
