@@ -64,8 +64,9 @@ def test_cache_cascade_moves_a_compressed_victim_down_with_what_it_keeps():
         if not cascade:
             assert c.state_of(1) is None and c.demotions == 0
             continue
-        # 1 keeps its E bytes in the E-only pool (the SM-only pool has no room), the same arrays
-        assert c.state_of(1) == "e_only" and c.get(1) is e1 and c.demotions == 1
+        # 1 keeps its E bytes in the E-only pool (the SM-only pool has no room): the same arrays,
+        # which own their bytes (views of read buffers would be copied: tests/test_adopt.py)
+        assert c.state_of(1) == "e_only" and c.get(1)[0] is e1[0] and c.demotions == 1
         assert c.pools["e_only"].used == 20 and c.pools["compressed"].used == 90
         # a colder victim cannot push a hotter tensor out of the lower pool
         c.touch(3)

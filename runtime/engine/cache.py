@@ -148,10 +148,13 @@ class ExpertCache:
         self._since_aging = 0
         self.agings = 0  # how many times the counts were halved
         self.examined = 0  # bucket entries looked at by admissions (the tests bound it)
-        # bytes each pool took from fetches (not from the cascade, whose data a pool above already
-        # held): what the runtime copies into its host pools on the serving thread, which the
-        # planner charges (runtime/plan/replay.py, docs/planner.md "Admission copies")
+        # bytes each pool took from fetches (``admitted``) and from the cascade (``cascaded``): the
+        # runtime copies what the SM-only and E-only pools take of either into arrays of their own
+        # on the serving thread, which the planner charges; the compressed pool keeps the read
+        # buffers themselves (engine/adopt.py). runtime/plan/replay.py, docs/planner.md
+        # "Admission copies"
         self.admitted = {name: 0 for name in POOLS}
+        self.cascaded = {name: 0 for name in POOLS}
         self._cascading = False
 
     # --- queries
@@ -272,8 +275,7 @@ class ExpertCache:
                 self._remove(uid)
             if callable(data):
                 data = data()
-            if not self._cascading:
-                self.admitted[name] += nbytes
+            (self.cascaded if self._cascading else self.admitted)[name] += nbytes
             self._insert(pool, uid, nbytes, data)
             for victim, vdata in evicted:
                 self._cascade(victim, name, vdata)

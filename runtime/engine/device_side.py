@@ -180,12 +180,14 @@ class DeviceSide:
 def demote(pool_name: str, data):
     """What an expert tensor evicted from ``pool_name`` keeps, for the cache's cascade: the
     compressed pool's data is ``(E parts, SM parts)`` (:meth:`DeviceSide.forms`), each of which
-    is the data of the E-only and SM-only pools. The other pools' data keeps nothing a lower
-    pool holds."""
+    is the data of the E-only and SM-only pools, copied to exact-size arrays if the lower pool
+    takes it (the compressed pool keeps read buffers whole, engine/adopt.py: half of one must
+    not hold the rest). The other pools' data keeps nothing a lower pool holds."""
     if pool_name != "compressed":
         return None
     e_parts, sm_parts = data
-    return {"sm_only": (sum(p.nbytes for p in sm_parts), sm_parts), "e_only": (sum(p.nbytes for p in e_parts), e_parts)}
+    return {"sm_only": (sum(p.nbytes for p in sm_parts), lambda: own_parts(sm_parts)),
+            "e_only": (sum(p.nbytes for p in e_parts), lambda: own_parts(e_parts))}
 
 
 def own_parts(parts: list) -> list:

@@ -50,6 +50,7 @@ from collections import deque
 
 from zipmoe.errors import ContainerError, ServingError, ZipmoeError
 
+from zipmoe.runtime.engine.adopt import Adopter
 from zipmoe.runtime.engine.fetch import (PREFETCH_RANK, _Cancelled, _Fetch, _Group, _Latch, _reads_of, expert_type,
                                          issue_order)
 from zipmoe.runtime.engine.workers import PriorityWorkers, _one_line
@@ -60,6 +61,8 @@ __all__ = ["Fetcher"]
 class Fetcher:
     def __init__(self, *, expert_tensors: dict, cache, counters, working, reader, decoder, device) -> None:
         self.expert_tensors = expert_tensors  # {(layer, expert): [ExpertTensor]}
+        # the compressed pool keeps the read buffers themselves (engine/adopt.py)
+        self.adopter = Adopter(reader.store, working)
         self.cache = cache
         self.counters = counters
         self.working = working
@@ -74,6 +77,15 @@ class Fetcher:
         self._predicted: dict = {}  # layer -> experts predicted for it (precision / recall)
         self._stager = None  # staged: the one thread that queues finished groups' copies (_put_staged)
         self._stager_lock = threading.Lock()
+
+    @property
+    def cache(self):
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        self._cache = cache
+        self.adopter.attach(cache)
 
     def close(self) -> None:
         self.reader.close()
@@ -237,6 +249,7 @@ class Fetcher:
                 data = cache.get(t.uid)
                 if st == "compressed":
                     f.e_parts, f.sm_parts = data
+                    self.adopter.borrow(t.uid)  # until the group is released: its buffers stay
                 else:
                     f.sm_parts = data
             elif st == "e_only":
@@ -300,6 +313,10 @@ class Fetcher:
         bufs = [b for f in g.fetches if f is not None for b in f.bufs]
         if bufs and not g.remaining:
             self.working.recycle(bufs)
+        if not g.remaining:  # (a thread that is gone may still read: its borrows stay)
+            for f in g.fetches:
+                if f is not None and f.state == "compressed":
+                    self.adopter.give_back(f.tensor.uid)
         for f in g.fetches:
             if f is not None:
                 f.bufs = []
@@ -342,11 +359,16 @@ class Fetcher:
         cache = self.cache
         forms = self.device.forms
         pools = cache.open_pools
-        for f in fetches:
-            if f is None:
-                continue
-            cache.offer(f.tensor.uid, forms(f, pools))
-            f.out = f.w = None
+        adopter = self.adopter
+        with adopter:  # what the pools let go here is given back after the cascade copied it
+            for f in fetches:
+                if f is None:
+                    continue
+                fm = forms(f, pools)
+                if f.bufs and "compressed" in fm:
+                    fm["compressed"] = adopter.form(f)  # its read buffers, not a copy
+                cache.offer(f.tensor.uid, fm)
+                f.out = f.w = None
 
     def _run(self, layer, experts, tensors, states, compute, predict=None, admit: bool = True) -> None:
         cache = self.cache

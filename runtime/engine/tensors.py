@@ -81,6 +81,19 @@ class ExpertTensor:
     def stored_bytes(self) -> int:
         return self.e_bytes + self.sm_bytes
 
+    def kept_bytes(self, state) -> int:
+        """What the compressed pool counts for this tensor taken from a fetch in cache state
+        ``state`` (None: a miss; ``sm_only`` / ``e_only``: a hit that read the other half): it
+        keeps the read buffers (engine/adopt.py), so the aligned ranges the fetch read, and the
+        half it already held as its own arrays."""
+        key = ("kept", state)
+        v = self._memo_get(key)
+        if v is None:
+            need_e, need_sm = state in (None, "none", "sm_only"), state in (None, "none", "e_only")
+            v = sum(-(-(off + ln) // ALIGN) * ALIGN - (off - off % ALIGN) for off, ln in self.ranges(need_e, need_sm))
+            v = self._memo[key] = v + (0 if need_e else self.e_bytes) + (0 if need_sm else self.sm_bytes)
+        return v
+
     def ranges(self, need_e: bool, need_sm: bool) -> list[tuple[int, int]]:
         """The coalesced file ranges of the E and/or SM chunks (a list shared between calls:
         read it, do not change it)."""
