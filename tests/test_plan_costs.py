@@ -469,7 +469,9 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     against full tensors only on the routing earlier runs recorded (``counters.recent_calls``,
     kept by record_usage), replayed through the runtime's cache with the host pools' admission
     copies charged: kept where it wins by the planner's margin, full tensors only where the
-    copies eat the gain (as §22k's mix did on the H100)."""
+    copies eat the gain (as §22k's mix did on the H100). The compressed pool keeps the read
+    buffers (engine/adopt.py) and copies nothing, so a compressed mix stays however slow copies
+    are; a mix of SM-only slots (cheap SM-only hits here) is charged its copies."""
     from zipmoe.runtime.plan.default import default_plan, read_routing, record_usage, stats_path
     from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
 
@@ -485,14 +487,14 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
             routing.append((l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)}))))
     uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
 
-    def fitted(admit_bw, tmp):
+    def fitted(admit_bw, tmp, per=None):
+        per = per or {"full": 0.0, "compressed": 0.0002, "sm_only": 0.008, "e_only": 0.009, "none": 0.010}
         prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
                 "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
                 "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
                           "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
                 "step_costs": {"resident_step_s": 0.01, "graphs": False,
-                               "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.008, "e_only": 0.009,
-                                                "none": 0.010}}}
+                               "per_expert_s": per}}
         save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
         record_usage(tmp, cid, uses, calls=160, routing=routing)
         return default_plan(path, budget, "cpu", 1, tmp, readers=4)
@@ -502,8 +504,13 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     assert read_routing(stats_path(tmp_path / "a", cid), cid) == routing
     assert f"replayed {160 * n} recorded decode layer calls" in line, line
     assert plan["pools"]["compressed"] > 0, line
-    plan, line = fitted(1.0, tmp_path / "b")  # a byte a second: no mix pays its copies
-    assert "full tensors only" in line and plan["pools"]["compressed"] == 0, line
+    plan, line = fitted(1.0, tmp_path / "b")  # a byte a second: the compressed pool copies nothing
+    assert plan["pools"]["compressed"] > 0, line
+    sm = {"full": 0.0, "compressed": 0.009, "sm_only": 0.0003, "e_only": 0.009, "none": 0.010}
+    plan, line = fitted(1e15, tmp_path / "c", sm)  # SM-only hits cheap, copies free: SM-only slots
+    assert plan["pools"]["sm_only"] > 0 and "replayed" in line, line
+    plan, line = fitted(1.0, tmp_path / "d", sm)  # the same at a byte a second: no mix pays its copies
+    assert "full tensors only" in line and plan["pools"]["sm_only"] == plan["pools"]["compressed"] == 0, line
 
 
 def _judged_planner(times: dict, halves: dict):

@@ -165,31 +165,31 @@ def state_pass(model, rt, state: str, prompt, forced) -> dict:
 
 
 def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
-    """Every chosen expert a miss and every fetched tensor kept by a host pool: a cache with one
-    compressed pool as large as the runtime's pools, emptied before each step. The serving
-    thread's admission time (counters ``admit``) beyond the all-miss pass's per fetched tensor
-    (``miss``: its misses are admitted to the full pool, which the miss's measured cost already
-    includes, so what a host pool adds is the difference), per byte the pool took: the rate
-    ``costs.admit_bw`` charges a plan's host-pool admissions at (docs/planner.md, "Admission
-    copies"). Measured while serving, it includes what a copy alone does not: the serving
-    thread's wait for the GIL that eight decode workers and the readers share (on the H100 box
-    the copy alone ran at 7.5 GiB/s, §22l).
+    """Every chosen expert a miss and every fetched tensor's SM half copied into a host pool: a
+    cache with one SM-only pool as large as the runtime's pools, emptied before each step. The
+    serving thread's admission time (counters ``admit``) beyond the all-miss pass's per fetched
+    tensor (``miss``: its misses are admitted to the full pool, which the miss's measured cost
+    already includes, so what a host pool adds is the difference), per byte the pool took: the
+    rate ``costs.admit_bw`` charges a plan's host-pool copies at (the SM-only and E-only pools'
+    admissions and demotions; the compressed pool keeps the read buffers and copies nothing,
+    engine/adopt.py; docs/planner.md, "Admission copies"). Measured while serving, it includes
+    what a copy alone does not: the serving thread's wait for the GIL that the decode workers
+    and the readers share (on the H100 box the copy alone ran at 7.5 GiB/s, §22l).
 
     ``free_s``: the time emptying the pool took between the steps, recorded and not charged. A
     run at capacity frees an evicted tensor's bytes inside each admission, which this pass, whose
-    pool starts every step empty, does not time; on the H200 a whole-model run spent about twice
-    per admitted byte what ``admit_bw`` charges (docs/benchmarks.md §22p)."""
+    pool starts every step empty, does not time."""
     from zipmoe.runtime.engine.cache import ExpertCache
 
-    cache = ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None)
+    cache = ExpertCache({"sm_only": rt.cache.capacity_bytes()}, demote=None)
     base: list = []
     freed = {"s": 0.0, "bytes": 0}
 
     def between() -> None:
-        held, t0 = cache.pools["compressed"].used, time.perf_counter()
+        held, t0 = cache.pools["sm_only"].used, time.perf_counter()
         cache.clear()
         if not base:  # what the prefill admitted (and freeing it) is not the steps'
-            base.append(cache.admitted["compressed"])
+            base.append(cache.admitted["sm_only"])
             return
         freed["s"] += time.perf_counter() - t0
         freed["bytes"] += held
@@ -199,14 +199,14 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
         times, d = _run_stream(model, rt, prompt, forced, between_steps=between)
     finally:
         rt.swap_cache(old)
-    admitted = cache.admitted["compressed"] - (base[0] if base else 0)
+    admitted = cache.admitted["sm_only"] - (base[0] if base else 0)
     fetched = int(d["hits"].get("none", 0))
     admit_s = float(d["time_s"]["admit"])
     book = 0.0
     if miss and miss.get("fetched"):
         book = float(miss.get("admit_s", 0.0)) * fetched / int(miss["fetched"])
     copy_s = max(0.0, admit_s - book)
-    return {"state": "every fetch admitted", "steps": len(times),
+    return {"state": "every fetch's SM half copied", "steps": len(times),
             "step_s": float(np.median(times)) if times else None, "fetched": fetched,
             "admitted_bytes": int(admitted), "admit_s": admit_s, "miss_admit_s": book,
             "admit_bw": admitted / copy_s if admitted and copy_s > 0 else None,

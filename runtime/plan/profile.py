@@ -27,12 +27,13 @@ What is measured (each exactly what runtime.plan.simulate.Costs counts):
   **bf16 bytes** (2 x numel) per second.
 * **merge**: ``zipmoe.kernels.merge`` (numba on the CPU, Triton on CUDA) of E and SM bytes into
   bf16 on the device, bf16 bytes per second.
-* **admission**: the copy the serving thread makes when a host pool (compressed, SM only, E
-  only) keeps a fetched tensor: its E and SM parts out of the read buffer into arrays of their
-  own (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``). Where
+* **admission**: the copy the serving thread makes when the SM-only or E-only pool keeps a
+  fetched or demoted tensor's half: its parts out of the read buffer into arrays of their own
+  (``device_side.own_parts``, as serving does), bytes per second (``costs.admit_bw``); the
+  compressed pool keeps the read buffers themselves and copies nothing (engine/adopt.py). Where
   the runtime's passes ran, the rate is the served one (``runtime.states.admit``,
-  passes.admit_pass: every fetch admitted to a host pool while serving, less the all-miss
-  pass's full-pool admissions); ``admit.source`` says which.
+  passes.admit_pass: every fetch's SM half copied into a host pool while serving, less the
+  all-miss pass's full-pool admissions); ``admit.source`` says which.
 * **compute**: one expert's forward for one token on the device (bf16 ``F.linear`` of each of
   its compute tensors, plus the activation), with the torch threads the serving process will use
   (``zipmoe.machine.torch_threads(workers)``).
@@ -101,8 +102,10 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: corpus and measure every cache state (``step_costs``, 2 Dec 2026); 3 = without CUDA graphs the
 #: misses' costs are fitted to a served run at capacity (``step_costs["served_fit"]``, 5 Dec 2026);
 #: 4 = the host pools' admission copy rate (``costs.admit_bw``, 6 Dec 2026); 5 = what a compressed hit adds
-#: beside misses (``step_costs["compressed_beside_misses_s"]``, 7 Dec 2026); older ones are measured again
-PROFILE_REVISION = 5
+#: beside misses (``step_costs["compressed_beside_misses_s"]``, 7 Dec 2026); 6 = the compressed pool keeps the
+#: read buffers, so ``admit_bw`` is the copy rate of the SM-only pool's admissions (engine/adopt.py, 7 Dec
+#: 2026); older ones are measured again
+PROFILE_REVISION = 6
 
 
 # ---------------------------------------------------------------------------------- identity

@@ -163,9 +163,10 @@ def _demote(pool_name: str, data):
     return {"sm_only": (sm, sm), "e_only": (e, e)}
 
 
-def _forms(t) -> dict:
-    """Every form a fetch of ``t`` offers (engine/device_side.py ``DeviceSide.forms``), as sizes."""
-    return {"full": (t.compute_bytes, None), "compressed": (t.e_bytes + t.sm_bytes, (t.e_bytes, t.sm_bytes)),
+def _forms(t, state=None) -> dict:
+    """Every form a fetch of ``t`` in cache state ``state`` offers (engine/device_side.py
+    ``DeviceSide.forms``, the compressed pool's bytes as engine/adopt.py counts them), as sizes."""
+    return {"full": (t.compute_bytes, None), "compressed": (t.kept_bytes(state), (t.e_bytes, t.sm_bytes)),
             "sm_only": (t.sm_bytes, t.sm_bytes), "e_only": (t.e_bytes, t.e_bytes)}
 
 
@@ -175,7 +176,7 @@ class ReplayResult:
     tensor_hits: np.ndarray  # [calls, len(STATES)]: chosen expert *tensors* per state (the counters' unit)
     layers: np.ndarray  # [calls]: the layer of each call
     decode: np.ndarray  # [calls] bool
-    admitted: np.ndarray | None = None  # [calls]: bytes the host pools took from this call's fetches
+    admitted: np.ndarray | None = None  # [calls]: bytes the SM-only and E-only pools copied in this call
 
     def hits_per_layer(self, decode_only: bool = True) -> np.ndarray:
         """Mean chosen experts per state per layer call (STATES order)."""
@@ -211,10 +212,12 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
     layers = np.zeros(n, dtype=np.int64)
     decode = np.zeros(n, dtype=bool)
     admitted = np.zeros(n, dtype=np.int64)
-    adm = cache.admitted
+    adm, cas = cache.admitted, cache.cascaded
 
     def host_admitted() -> int:
-        return adm["compressed"] + adm["sm_only"] + adm["e_only"]
+        # what the runtime copies: the SM-only and E-only pools' admissions and demotions (the
+        # compressed pool keeps the read buffers, engine/adopt.py)
+        return adm["sm_only"] + adm["e_only"] + cas["sm_only"] + cas["e_only"]
 
     touch, state_of, pin = cache.touch, cache.state_of, cache.pin
     for i, call in enumerate(calls):
@@ -238,7 +241,7 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
         for e in need:
             for t, s in zip(tensors[e], states[e]):
                 if s != "full":
-                    cache.offer(t.uid, _forms(t))
+                    cache.offer(t.uid, _forms(t, s))
         cache.unpin_all()
         admitted[i] = host_admitted() - before
     return ReplayResult(counts, thits, layers, decode, admitted)
