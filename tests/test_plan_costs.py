@@ -454,6 +454,78 @@ def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_too
     json.dumps(out)
 
 
+def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, monkeypatch):
+    """With β measured, the profile serves the stream from an empty cache of one compressed pool at
+    capacity (hits and misses mixed, no full hits) and fits β so that the cost model, charged for
+    that run's own routing replayed through the same pool, gives its measured mean step (docs/
+    benchmarks.md §22q: the β pass measured 4x what serving implied on an H100)."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan import passes
+    from zipmoe.runtime.plan.replay import model_run
+
+    seen = {}
+    real = passes.served_beta_fit
+
+    def spy(sc, served, rt):
+        seen.update(sc=sc, served=served, view=passes._PoolsView(rt, served["capacity"], "compressed"))
+        return real(sc, served, rt)
+
+    monkeypatch.setattr(passes, "served_beta_fit", spy)
+    path, _cid, layout = container
+    out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
+    assert "serving_error" not in out, out.get("serving_error")
+    served = out["states"]["served_compressed"]
+    assert served["pool"] == "compressed" and served["steps"] == 12 and "routing" not in served
+    every = layout.slot_bytes["compressed"] * layout.num_experts * len(layout.decode_layers)
+    assert served["capacity"] == int(0.25 * every)  # a quarter of the experts, compressed
+    assert served["hits"]["compressed"] > 0 and served["hits"]["none"] > 0 and served["hits"]["full"] == 0
+    sc, before = out["step_costs"], seen["sc"]
+    fit = sc["beta_fit"]
+    assert fit["passes_beta_s"] == before["compressed_beside_misses_s"] and fit["beside_per_step"] > 0
+    assert sc["compressed_beside_misses_s"] == fit["beta_s"] >= 0
+    assert sc["per_expert_s"] == before["per_expert_s"]  # only β moves
+    charged = model_run(seen["served"]["routing"], seen["view"], {"step_costs": sc}, prefill_steps=1)["model_tpot_s"]
+    assert charged == pytest.approx(fit["model_step_s_fitted"], rel=1e-6)
+    if not fit["clamped"]:  # the fitted model charges the run its measured step
+        assert charged == pytest.approx(fit["measured_step_s"], rel=1e-6)
+    # the runtime serves from its own cache again, graphs as before
+    assert seen["view"].pools == {"compressed": served["capacity"]}
+    json.dumps(out)
+
+
+def test_beta_fit_moves_beta_to_what_the_run_took():
+    """served_beta_fit on a given run: the model is linear in β, so the fitted β charges the run
+    its measured step; a run faster than the model at β=0 gives 0, never below."""
+    from types import SimpleNamespace
+
+    from zipmoe.runtime.plan import passes
+    from zipmoe.runtime.plan.replay import model_run
+
+    from test_replay import _tensors
+
+    ets = _tensors(8)  # two layers of 8 experts, two tensors each (E 1050 + SM 3072 bytes an expert)
+    rt = SimpleNamespace(top_k=2, expert_tensors=ets, slots=None, cache=SimpleNamespace(age_every=0))
+    routing = [[(0, [e % 8, (e + 3) % 8])] for e in range(40)]
+    sc = {"resident_step_s": 0.01, "graphs": False,
+          "per_expert_s": {"full": 0.0, "compressed": 0.002, "sm_only": 0.003, "e_only": 0.004, "none": 0.006},
+          "miss_curve_s": {"1": 0.006, "2": 0.009}, "compressed_beside_misses_s": 0.004}
+    view = passes._PoolsView(rt, 3 * 4122, "compressed")
+
+    def charged(beta):
+        return model_run(routing, view, {"step_costs": dict(sc, compressed_beside_misses_s=beta)}, prefill_steps=1)["model_tpot_s"]
+
+    want = charged(0.001)  # a run that took what β = 1 ms charges
+    fit = passes.served_beta_fit(sc, {"mean_step_s": want, "routing": routing, "capacity": 3 * 4122, "steps": 39,
+                                      "pool": "compressed"}, rt)
+    assert fit["beta_s"] == pytest.approx(0.001) and not fit["clamped"]
+    assert fit["model_step_s"] == pytest.approx(charged(0.004))
+    fast = passes.served_beta_fit(sc, {"mean_step_s": charged(0.0) * 0.5, "routing": routing, "capacity": 3 * 4122,
+                                       "steps": 39, "pool": "compressed"}, rt)
+    assert fast["beta_s"] == 0.0 and fast["clamped"]
+    assert passes.served_beta_fit(dict(sc, compressed_beside_misses_s=None), {"mean_step_s": 1.0, "routing": routing,
+                                                                               "capacity": 1, "steps": 1}, rt) is None
+
+
 def test_no_served_fit_when_switched_off_or_without_a_run(container):
     pytest.importorskip("zipmoe.runtime.engine.loader")
     from zipmoe.runtime.plan.passes import measure_runtime, served_miss_scale
@@ -461,6 +533,7 @@ def test_no_served_fit_when_switched_off_or_without_a_run(container):
     path, _cid, layout = container
     out = measure_runtime(path, layout, "cpu", workers=1, tokens=3, warmup=2, miss_tokens=3, served_tokens=0)
     assert "served" not in out["states"] and "served_fit" not in out["step_costs"]
+    assert "served_compressed" not in out["states"] and "beta_fit" not in out["step_costs"]
     assert served_miss_scale(out["step_costs"], {"mean_step_s": 0.1, "routing": [], "capacity": 0, "steps": 0}, None) is None
 
 

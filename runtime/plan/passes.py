@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-__all__ = ["measure_runtime", "state_pass", "served_pass", "served_miss_scale", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -274,19 +274,29 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None 
     return out
 
 
-def served_pass(model, rt, prompt, forced, capacity: int) -> dict:
-    """Serve ``forced`` from an empty cache of the runtime's own kind whose full pool holds
-    ``capacity`` bytes (LFU eviction at capacity, as in a run at a budget that holds a part of the
-    experts): the step times and the routing of every token, for :func:`served_miss_scale`.
-    Where the runtime has CUDA graphs a swapped cache runs every layer on the host path, which
-    a run does not; :func:`measure_runtime` serves it only without graphs."""
+def served_pass(model, rt, prompt, forced, capacity: int, pool: str = "full") -> dict:
+    """Serve ``forced`` from an empty cache whose one pool, ``pool``, holds ``capacity`` bytes
+    (LFU eviction at capacity, as in a run at a budget that holds a part of the experts): the step
+    times and the routing of every token, for :func:`served_miss_scale` (``pool="full"``: the
+    runtime's own kind of cache) and :func:`served_beta_fit` (``pool="compressed"``: a cache of
+    one compressed pool, as a compressed-only plan serves). Where the runtime has CUDA graphs a
+    swapped cache runs every layer on the host path, which a full-pool run does not (so
+    :func:`measure_runtime` serves the full pool only without graphs); a compressed-only run has
+    no full hits and runs every layer on the host path anyway. The compressed pool's cache is
+    made apart from the runtime's device slots, which stay hooked to the runtime's own cache."""
+    from zipmoe.runtime.engine.cache import ExpertCache
+
     routing: list = []
-    old = rt.swap_cache(rt._new_cache({"full": int(capacity)}))
+    if pool == "full":
+        cache = rt._new_cache({"full": int(capacity)})
+    else:
+        cache = ExpertCache({pool: int(capacity)}, demote=None, age_every=rt.cache.age_every)
+    old = rt.swap_cache(cache)  # (swapping back runs the graphs again where the slots are still old's)
     try:
         times, d = _run_stream(model, rt, prompt, forced, routing=routing)
     finally:
         rt.swap_cache(old)
-    return {"state": "served at capacity", "capacity": int(capacity), "steps": len(times),
+    return {"state": "served at capacity", "pool": pool, "capacity": int(capacity), "steps": len(times),
             "mean_step_s": float(np.mean(times)) if times else None, "step_s_all": [float(t) for t in times],
             "hits": dict(d["hits"]), "routing": routing}
 
@@ -294,9 +304,9 @@ def served_pass(model, rt, prompt, forced, capacity: int) -> dict:
 class _PoolsView:
     """What ``replay.model_run`` reads of a runtime, for a served pass's swapped cache."""
 
-    def __init__(self, rt, capacity: int) -> None:
+    def __init__(self, rt, capacity: int, pool: str = "full") -> None:
         self.top_k, self.expert_tensors, self.slots = rt.top_k, rt.expert_tensors, None
-        self.pools = {"full": int(capacity)}
+        self.pools = {pool: int(capacity)}
         self.cache = rt.cache  # its aging period is the served cache's (``Runtime._new_cache``)
 
 
@@ -335,6 +345,47 @@ def scale_misses(sc: dict, scale: float) -> dict:
     if sc.get("miss_curve_s"):
         out["miss_curve_s"] = {j: float(v) * scale for j, v in sc["miss_curve_s"].items()}
     return out
+
+
+def served_beta_fit(sc: dict, served: dict, rt) -> dict | None:
+    """Fit β, what a compressed hit adds to a layer beside disk-reading fetches, to a served run
+    of one compressed pool at capacity (:func:`served_pass` with ``pool="compressed"``). The β
+    pass drops the step's misses from a pool that holds every expert and serves them moments
+    later; on an H100 it measured 2.62 ms per compressed hit where compressed-only runs at 8G
+    implied about 0.7 (docs/benchmarks.md §22q), so the planner predicted compressed only 1.2x
+    too slow and kept full tensors only, which ran 1.13x slower. The cost model (``StepTable``
+    over ``sc``) is linear in β in such layers, so for the served run's own routing, replayed
+    through the same pool (``replay.model_run``): ``β = (measured - model at β=0) / (compressed
+    hits beside disk fetches per step)``, kept within 0 and twice the larger of the pass's β and
+    a lone compressed hit's cost.
+
+    Returns ``{"beta_s", "passes_beta_s", "measured_step_s", "model_step_s" (at the pass's β),
+    "model_step_s_fitted", "beside_per_step", "capacity", "steps", "clamped"}`` or None without β,
+    a run, or compressed hits beside fetches in it."""
+    from zipmoe.runtime.plan.replay import model_run
+
+    beta = sc.get("compressed_beside_misses_s")
+    if beta is None or not served.get("mean_step_s") or not served.get("routing"):
+        return None
+    view = _PoolsView(rt, served["capacity"], served.get("pool", "compressed"))
+    probe = max(float(beta), 1e-3)
+
+    def charged(b: float) -> float | None:
+        m = model_run(served["routing"], view, {"step_costs": dict(sc, compressed_beside_misses_s=b)}, prefill_steps=1)
+        return None if m is None else float(m["model_tpot_s"])
+
+    m0, m1 = charged(0.0), charged(probe)
+    if m0 is None or m1 is None or m1 <= m0:
+        return None
+    beside = (m1 - m0) / probe  # compressed hits in layers with disk-reading fetches, per step
+    measured = float(served["mean_step_s"])
+    hi = 2.0 * max(float(beta), float(sc["per_expert_s"].get("compressed", 0.0)))
+    raw = (measured - m0) / beside
+    fitted = min(max(0.0, raw), hi)
+    return {"beta_s": fitted, "passes_beta_s": float(beta), "measured_step_s": measured,
+            "model_step_s": m0 + beside * float(beta), "model_step_s_fitted": m0 + beside * fitted,
+            "beside_per_step": beside, "capacity": int(served["capacity"]), "steps": int(served["steps"]),
+            "clamped": fitted != raw}
 
 
 def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | None:
@@ -410,7 +461,10 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
     Without CUDA graphs, one more pass serves ``served_tokens`` of the stream from an empty cache
     whose full pool holds ``served_share`` of the experts (:func:`served_pass`), and the misses'
-    costs are fitted to it (:func:`served_miss_scale`, ``step_costs["served_fit"]``); 0 skips it.
+    costs are fitted to it (:func:`served_miss_scale`, ``step_costs["served_fit"]``). With β
+    measured (graphs or not), one more serves it from a cache of one compressed pool of the same
+    bytes, and β is fitted to it (:func:`served_beta_fit`, ``step_costs["beta_fit"]``).
+    ``served_tokens=0`` skips both.
     """
     import torch
 
@@ -487,6 +541,19 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                     fit["passes_miss_s"] = float(sc["per_expert_s"]["none"])
                     sc = scale_misses(sc, fit["scale"])
                     sc["served_fit"] = fit
+            if sc is not None and served_tokens > 0 and sc.get("compressed_beside_misses_s") is not None:
+                # β fitted to a run of one compressed pool at capacity holding ``served_share`` of
+                # the experts compressed: most of its compressed hits are beside misses, as in the
+                # budgets where a compressed pool is worth having (a pool holding nearly every
+                # expert would put the error of layers of compressed hits alone into β)
+                every = layout.slot_bytes["compressed"] * layout.num_experts * len(layout.decode_layers)
+                cap = int(served_share * min(rt.cache.capacity_bytes(), every))
+                s_prompt, s_forced = forced_stream(tok, cfg, served_tokens)
+                served_c = served_pass(model, rt, s_prompt, s_forced, cap, pool="compressed")
+                passes["served_compressed"] = {k: v for k, v in served_c.items() if k != "routing"}
+                fit = served_beta_fit(sc, served_c, rt)
+                if fit is not None:
+                    sc = dict(sc, compressed_beside_misses_s=fit["beta_s"], beta_fit=fit)
             if sc is not None:
                 out["step_costs"] = sc
         except Exception as exc:  # noqa: BLE001

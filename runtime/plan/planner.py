@@ -320,6 +320,12 @@ class Planner:
                              f"{1e3 * fit['measured_step_s']:.1f} ms per step measured against "
                              f"{1e3 * fit['model_step_s']:.1f} ms charged with the passes' "
                              f"{1e3 * fit['passes_miss_s']:.3f} ms per miss, so misses cost {fit['scale']:.2f}x that")
+            bf = self.step_costs.get("beta_fit")
+            if bf:
+                lines.append(f"a compressed hit beside misses fitted to a served run of one compressed pool ({bf['steps']} steps, "
+                             f"{bf['capacity'] / 2**20:.0f} MiB): {1e3 * bf['measured_step_s']:.1f} ms per step measured against "
+                             f"{1e3 * bf['model_step_s']:.1f} ms charged with the pass's {1e3 * bf['passes_beta_s']:.3f} ms, "
+                             f"so it adds {1e3 * bf['beta_s']:.3f} ms" + (" (clamped)" if bf.get("clamped") else ""))
             sb = self.layout.slot_bytes
             full = sb["full"]
             for pool in POOL_ORDER[1:-1]:

@@ -104,8 +104,9 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: 4 = the host pools' admission copy rate (``costs.admit_bw``, 6 Dec 2026); 5 = what a compressed hit adds
 #: beside misses (``step_costs["compressed_beside_misses_s"]``, 7 Dec 2026); 6 = the compressed pool keeps the
 #: read buffers, so ``admit_bw`` is the copy rate of the SM-only pool's admissions (engine/adopt.py, 7 Dec
-#: 2026); older ones are measured again
-PROFILE_REVISION = 6
+#: 2026); 7 = β fitted to a served run of one compressed pool at capacity (``step_costs["beta_fit"]``, 7 Dec
+#: 2026: the β pass measured 2.62 ms on an H100 where serving implied 0.7); older ones are measured again
+PROFILE_REVISION = 7
 
 
 # ---------------------------------------------------------------------------------- identity
