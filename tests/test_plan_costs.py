@@ -410,6 +410,7 @@ def test_serving_passes_hold_each_state(container, device):
     assert mixed["miss_share"] == pytest.approx(half / layout.top_k, abs=0.1)
     assert mixed["rest_share"] == pytest.approx(1 - half / layout.top_k, abs=0.1)
     assert sc["compressed_beside_misses_at"] == half and sc["compressed_beside_misses_s"] >= 0
+    assert mixed["fresh_buffers"] >= 0 and states["misses_1"]["fresh_buffers"] >= 0  # recorded
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it
 
@@ -479,6 +480,7 @@ def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, monkey
     every = layout.slot_bytes["compressed"] * layout.num_experts * len(layout.decode_layers)
     assert served["capacity"] == int(0.25 * every)  # a quarter of the experts, compressed
     assert served["hits"]["compressed"] > 0 and served["hits"]["none"] > 0 and served["hits"]["full"] == 0
+    assert served["fresh_buffers"] >= 0
     sc, before = out["step_costs"], seen["sc"]
     fit = sc["beta_fit"]
     assert fit["passes_beta_s"] == before["compressed_beside_misses_s"] and fit["beside_per_step"] > 0

@@ -113,7 +113,11 @@ def _layer_figures(d: dict) -> dict:
     layer_calls = max(1, sum(v[1] for v in lm.values()))
     return {"layer_makespan_s": sum(v[0] for v in lm.values()) / layer_calls,
             "experts_per_layer": int(d["expert_calls"]) / layer_calls,
-            "sparse_layers_per_step": layer_calls}
+            "sparse_layers_per_step": layer_calls,
+            # read buffers mapped afresh (a page fault per 4 KiB on the readers): the β pass's
+            # compressed pool keeps its misses' buffers and returns the dropped ones only within
+            # the idle room, so it maps some where serving at capacity reuses evicted ones
+            "fresh_buffers": int(d.get("fresh_buffers", 0))}
 
 
 def state_pass(model, rt, state: str, prompt, forced) -> dict:
@@ -298,7 +302,7 @@ def served_pass(model, rt, prompt, forced, capacity: int, pool: str = "full") ->
         rt.swap_cache(old)
     return {"state": "served at capacity", "pool": pool, "capacity": int(capacity), "steps": len(times),
             "mean_step_s": float(np.mean(times)) if times else None, "step_s_all": [float(t) for t in times],
-            "hits": dict(d["hits"]), "routing": routing}
+            "hits": dict(d["hits"]), "fresh_buffers": int(d.get("fresh_buffers", 0)), "routing": routing}
 
 
 class _PoolsView:
