@@ -410,7 +410,9 @@ def test_serving_passes_hold_each_state(container, device):
     assert mixed["miss_share"] == pytest.approx(half / layout.top_k, abs=0.1)
     assert mixed["rest_share"] == pytest.approx(1 - half / layout.top_k, abs=0.1)
     assert sc["compressed_beside_misses_at"] == half and sc["compressed_beside_misses_s"] >= 0
-    assert mixed["fresh_buffers"] >= 0 and states["misses_1"]["fresh_buffers"] >= 0  # recorded
+    # its pool copies its misses rather than keep their read buffers: they are reused, as the
+    # lone-miss passes' are (adopted, 104 of 240 misses had read into fresh mappings on the demo)
+    assert mixed["fresh_buffers"] <= states[f"misses_{half}"]["fresh_buffers"] + 2
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it
 

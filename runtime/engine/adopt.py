@@ -23,6 +23,10 @@ layer's last read and the next layer's first. The pool takes the buffers themsel
   E-only pool keeps its half as exact-size arrays (``device_side.demote``), so that half of a
   buffer never pins the whole.
 
+``enabled`` off makes the compressed pool copy as before (the profile's β pass, whose pool holds
+every expert and never evicts: adopted buffers would not come back, and its misses would read into
+fresh mappings that serving at capacity does not make).
+
 The bits are the same: the pool keeps the bytes the disk gave, in the buffers they were read
 into, and nothing writes into an adopted buffer until the pool has let it go and no fetch
 reads it.
@@ -61,6 +65,9 @@ class Adopter:
         self._borrowed: dict = {}  # uid -> fetches in flight that decode from its entry's parts
         self._orphans: dict = {}  # uid -> buffers let go while borrowed: given back with the last borrower
         self._later: list | None = None  # inside an admission: buffers to give back after it
+        # False: the compressed pool copies as the lower pools do (the profile's β pass, whose pool
+        # holds every expert and never evicts, would otherwise map a fresh buffer for many misses)
+        self.enabled = True
         self.adopted = 0  # tensors whose buffers a pool took
         self.returned = 0  # buffers given back for reuse
         self.waited = 0  # buffers let go while a fetch still read them (given back after it)

@@ -365,7 +365,7 @@ class Fetcher:
                 if f is None:
                     continue
                 fm = forms(f, pools)
-                if f.bufs and "compressed" in fm:
+                if f.bufs and "compressed" in fm and adopter.enabled:
                     fm["compressed"] = adopter.form(f)  # its read buffers, not a copy
                 cache.offer(f.tensor.uid, fm)
                 f.out = f.w = None

@@ -256,14 +256,21 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None 
                 for t in rt.expert_tensors.get((layer, e), ()):
                     rt.cache.drop(t.uid)
 
+    adopter = rt.fetcher.adopter
     try:
         if rest == "compressed":
             old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
+            # the pool copies its misses (timed in admit, taken out by state_step_costs) instead of
+            # keeping their read buffers: it never evicts, so adopted buffers would not come back
+            # and its misses would read into fresh mappings, which serving at capacity does not
+            # (CPU box: 104 of 240 misses; docs/benchmarks.md §22q)
+            adopter.enabled = False
         elif rest is not None:
             raise ValueError(f"rest: None or 'compressed', got {rest!r}")
         _run_stream(model, rt, prompt, forced)  # warm: every expert the stream uses admitted again
         times, d = _run_stream(model, rt, prompt, forced, between_steps=drop)
     finally:
+        adopter.enabled = True
         if old is not None:
             rt.swap_cache(old)
         rt.sparse_graphs = graphs
