@@ -265,6 +265,7 @@ def test_compressed_admissions_are_free_and_sm_only_copies_are_charged(monkeypat
         plan = P.make_plan(layout, budget, stats, profile(admit_bw), workers=1, replay=(even, _tensors()))
         assert plan["pools"]["compressed"] > 0 and plan["pools"]["sm_only"] == plan["pools"]["e_only"] == 0
         assert plan["expected_admit_bytes_per_token"] == 0 == plan["expected_admit_s_per_token"]
+        assert not any("host pools admit" in line for line in plan["explain"])  # nothing copied, nothing said
         assert plan["expected_tpot_s"] < 0.97 * plan["alternatives"]["full only"]["expected_tpot_s"]
 
     # the same planner judging a plan that keeps SM halves: charged what that pool copies

@@ -338,15 +338,19 @@ class Planner:
                              f"{1e3 * (a['none'] - a['full']):.3f} ms ({'pays' if ratio * gain > a['none'] - a['full'] else 'does not pay'})")
         if self.replayer is not None:
             def admit_line(name, slots):
+                # (the compressed pool keeps the read buffers: a plan of full and compressed
+                # tensors copies nothing, and gets no line)
                 r = self.replayed(slots)["cold"]
-                return (f"{name}: its host pools admit {r['admit_bytes_per_step'] / 2**20:.1f} MiB per token, copied "
+                if r["admit_bytes_per_step"] <= 0:
+                    return []
+                return [f"{name}: its host pools admit {r['admit_bytes_per_step'] / 2**20:.1f} MiB per token, copied "
                         f"on the serving thread at {self.admit_bw / 2**30:.2f} GiB/s measured: "
-                        f"{1e3 * r['admit_s_per_step']:.2f} ms per token charged")
+                        f"{1e3 * r['admit_s_per_step']:.2f} ms per token charged"]
             if self.admit_bw > 0:
                 if any(float(chosen.get(p, 0)) > 0 for p in POOLS if p != "full"):
-                    lines.append(admit_line("the chosen plan", chosen))
+                    lines += admit_line("the chosen plan", chosen)
                 if passed_over:
-                    lines.append(admit_line("the best mix found", passed_over))
+                    lines += admit_line("the best mix found", passed_over)
             else:
                 lines.append("admission copies into the host pools are not charged: the profile predates their "
                              "measurement (measure it again)")
