@@ -413,6 +413,11 @@ def test_serving_passes_hold_each_state(container, device):
     # its pool copies its misses rather than keep their read buffers: they are reused, as the
     # lone-miss passes' are (adopted, 104 of 240 misses had read into fresh mappings on the demo)
     assert mixed["fresh_buffers"] <= states[f"misses_{half}"]["fresh_buffers"] + 2
+    # β fitted to a served run of one compressed pool (on CUDA too: such a run has no full hits)
+    served_c = states["served_compressed"]
+    assert served_c["pool"] == "compressed" and served_c["hits"]["full"] == 0 and served_c["hits"]["compressed"] > 0
+    if "beta_fit" in sc:
+        assert sc["compressed_beside_misses_s"] == sc["beta_fit"]["beta_s"]
     assert out["workload"].startswith("corpus")
     json.dumps(out)  # the profile stores it
 
