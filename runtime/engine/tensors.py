@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zipmoe.errors import ContainerError, ModelError
-from zipmoe.runtime.engine.reads import ALIGN, _coalesce, reuse_slack
+from zipmoe.runtime.engine.reads import ALIGN, ExpertStore, _coalesce, reuse_slack
 
 
 @dataclass
@@ -90,7 +90,7 @@ class ExpertTensor:
         v = self._memo_get(key)
         if v is None:
             need_e, need_sm = state in (None, "none", "sm_only"), state in (None, "none", "e_only")
-            v = sum(-(-(off + ln) // ALIGN) * ALIGN - (off - off % ALIGN) for off, ln in self.ranges(need_e, need_sm))
+            v = sum(ExpertStore.buffer_size(off, ln) for off, ln in self.ranges(need_e, need_sm))
             v = self._memo[key] = v + (0 if need_e else self.e_bytes) + (0 if need_sm else self.sm_bytes)
         return v
 

@@ -473,8 +473,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
     Without CUDA graphs, one more pass serves ``served_tokens`` of the stream from an empty cache
     whose full pool holds ``served_share`` of the experts (:func:`served_pass`), and the misses'
     costs are fitted to it (:func:`served_miss_scale`, ``step_costs["served_fit"]``). With β
-    measured (graphs or not), one more serves it from a cache of one compressed pool of the same
-    bytes, and β is fitted to it (:func:`served_beta_fit`, ``step_costs["beta_fit"]``).
+    measured (graphs or not), one more serves it from a cache of one compressed pool holding
+    ``served_share`` of the experts compressed, and β is fitted to it (:func:`served_beta_fit`, ``step_costs["beta_fit"]``).
     ``served_tokens=0`` skips both.
     """
     import torch
