@@ -24,6 +24,34 @@ def _shares(part, bufs) -> bool:
     return any(np.shares_memory(part, np.frombuffer(b, dtype=np.uint8)) for b in bufs)
 
 
+def test_with_adoption_off_the_pool_copies_and_the_logits_stay_bit_identical(tmp_path_factory):
+    """``Adopter.enabled`` off (the profile's β pass): the compressed pool keeps exact-size copies,
+    no buffer is adopted, and the logits are the reference's."""
+    src, path = container(tmp_path_factory, "qwen3_moe")
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    ref = reference(src)
+    model, _ = zipmoe.load(path, budget="64M", workers=2)
+    rt = model.zipmoe
+    cid = rt.container_id
+    rt.close()
+    model, _ = zipmoe.load(path, budget="64M", workers=2, plan={"container_id": cid, "pools": {"compressed": 10 << 30}})
+    rt = model.zipmoe
+    ad = rt.fetcher.adopter
+    ad.enabled = False
+    try:
+        with torch.no_grad():
+            for seed in (1, 2, 1):
+                batch = inputs(vocab, False, batch=2, seed=seed)
+                assert torch.equal(model(**batch).logits, ref(**batch).logits)
+        assert rt.counters.snapshot()["hits"]["compressed"] > 0
+        assert ad.adopted == 0 and not ad._bufs
+        for uid in rt.cache.pools["compressed"].items:
+            e_parts, sm_parts = rt.cache.get(uid)
+            assert all(p.base is None and p.flags.owndata for p in list(e_parts) + list(sm_parts))  # copies
+    finally:
+        rt.close()
+
+
 def test_the_compressed_pool_keeps_the_read_buffers_and_the_logits_stay_bit_identical(tmp_path_factory):
     src, path = container(tmp_path_factory, "qwen3_moe")
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]

@@ -422,6 +422,22 @@ def test_serving_passes_hold_each_state(container, device):
     json.dumps(out)  # the profile stores it
 
 
+def _spy_fit(monkeypatch, name: str, pool: str) -> dict:
+    """Wrap ``passes.<name>`` (a served fit) so the test sees what it was given: the costs before
+    the fit, the served run (with its routing) and a view of the run's pool for ``model_run``."""
+    from zipmoe.runtime.plan import passes
+
+    seen: dict = {}
+    real = getattr(passes, name)
+
+    def spy(sc, served, rt):
+        seen.update(sc=sc, served=served, view=passes._PoolsView(rt, served["capacity"], pool))
+        return real(sc, served, rt)
+
+    monkeypatch.setattr(passes, name, spy)
+    return seen
+
+
 def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_took(container, monkeypatch):
     """Without graphs the profile serves the stream at capacity (a quarter of the experts whole, from an
     empty cache) and scales the misses' costs so that the cost model, charged for that run's own
@@ -430,14 +446,7 @@ def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_too
     from zipmoe.runtime.plan import passes
     from zipmoe.runtime.plan.replay import model_run
 
-    seen = {}
-    real = passes.served_miss_scale
-
-    def spy(sc, served, rt):
-        seen.update(sc=sc, served=served, view=passes._PoolsView(rt, served["capacity"]))
-        return real(sc, served, rt)
-
-    monkeypatch.setattr(passes, "served_miss_scale", spy)
+    seen = _spy_fit(monkeypatch, "served_miss_scale", "full")
     path, _cid, layout = container
     out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
     assert "serving_error" not in out, out.get("serving_error")
@@ -471,14 +480,7 @@ def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, monkey
     from zipmoe.runtime.plan import passes
     from zipmoe.runtime.plan.replay import model_run
 
-    seen = {}
-    real = passes.served_beta_fit
-
-    def spy(sc, served, rt):
-        seen.update(sc=sc, served=served, view=passes._PoolsView(rt, served["capacity"], "compressed"))
-        return real(sc, served, rt)
-
-    monkeypatch.setattr(passes, "served_beta_fit", spy)
+    seen = _spy_fit(monkeypatch, "served_beta_fit", "compressed")
     path, _cid, layout = container
     out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
     assert "serving_error" not in out, out.get("serving_error")
