@@ -3,7 +3,7 @@ default plan chat/serve/bench fit at load (runtime/plan/{model,planner,passes,de
 
 from __future__ import annotations
 
-from zipmoe.runtime.plan.planner import PREFER_FULL_MARGIN
+from zipmoe.runtime.plan.planner import margin_for
 
 import json
 
@@ -144,7 +144,7 @@ def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():
     plan = make_plan(layout, budget, stats, prof, workers=1)
     assert plan["slots"]["per_layer"]["compressed"] > 0
     full_only = plan["alternatives"]["full only"]["expected_tpot_s"]
-    assert plan["expected_tpot_s"] < (1 - PREFER_FULL_MARGIN) * full_only
+    assert plan["expected_tpot_s"] < (1 - margin_for(plan["slots"]["per_layer"])) * full_only
     assert any("against" in line and "full tensors only" in line for line in plan["explain"])
 
 
@@ -155,12 +155,13 @@ def test_a_mixed_plan_needs_a_clear_predicted_gain_over_full_tensors_only(monkey
     prof = _profile({"full": 0.0001, "compressed": 0.0004, "sm_only": 0.0030, "e_only": 0.0040, "none": 0.0100})
     budget = layout.min_budget(1) + layout.total_expert_full // 3
     monkeypatch.setattr(planner, "PREFER_FULL_MARGIN", 0.99)  # nothing can be that much faster
+    monkeypatch.setattr(planner, "COPY_FREE_MARGIN", 0.99)
     plan = planner.make_plan(layout, budget, stats, prof, workers=1)
     assert plan["slots"]["per_layer"]["compressed"] == 0 and plan["slots"]["per_layer"]["full"] > 0
     # it says what it passed over: the best mix's figure against full tensors only, and the margin
     full_s = plan["alternatives"]["full only"]["expected_tpot_s"]
     line = next(x for x in plan["explain"] if x.startswith("the best mix found"))
-    assert "compressed" in line and "a mix must be 99% faster to be chosen" in line
+    assert "compressed" in line and "must be 99% faster to be chosen" in line
     mix_s = float(line.split("is predicted ")[1].split(" ms")[0]) / 1e3
     assert mix_s < full_s  # faster, but not by the margin
     ratio = float(line.split("(")[2].split("x full tensors only")[0])
@@ -628,11 +629,15 @@ def test_leaving_full_tensors_takes_the_fastest_plan_that_gains_enough_and_the_s
     cands = [PLANS[k] for k in ("mix", "compressed", "e_only", "full")]
     chosen, hv, fastest = p.leave_full(cands, PLANS["full"])
     assert chosen == PLANS["compressed"] and fastest == PLANS["mix"] and len(hv) == 2
-    # held to the whole margin on each half (the rule until 7 Dec), nothing leaves full tensors
+    # held to the whole margin on each half (the rule until 7 Dec), the mix fails its 10% on a half;
+    # compressed only, copying nothing, passes its 3% on each (until 8 Dec it needed 10% too: nothing
+    # left full tensors then)
     monkeypatch.setattr(P, "HALF_SHARE", 1.0)
+    assert p.leave_full(cands, PLANS["full"]) == (PLANS["compressed"], [(0.526, 0.577), (0.556, 0.608)], PLANS["mix"])
+    monkeypatch.setattr(P, "COPY_FREE_MARGIN", P.PREFER_FULL_MARGIN)
     # (the halves returned are the fastest's, for the explanation)
     assert p.leave_full(cands, PLANS["full"]) == (None, [(0.5255, 0.577), (0.5574, 0.608)], PLANS["mix"])
-    monkeypatch.setattr(P, "HALF_SHARE", 0.5)
+    monkeypatch.undo()
     # compressed only failing a half: the mix that passes is chosen
     p = _judged_planner(times, {**halves, "compressed": (0.526, 0.60)})
     assert p.leave_full(cands, PLANS["full"])[:2][0] == PLANS["mix"]
@@ -644,6 +649,28 @@ def test_leaving_full_tensors_takes_the_fastest_plan_that_gains_enough_and_the_s
     p = _judged_planner({**times, "compressed": 0.5250}, halves)
     chosen, _hv, fastest = p.leave_full(cands, PLANS["full"])
     assert chosen == PLANS["mix"] and fastest is None
-    # nothing 10% faster on the whole: full tensors only, the fastest named
-    p = _judged_planner({**times, "mix": 0.53, "compressed": 0.531}, halves)
+    # nothing 10% faster on the whole, and compressed only not 3%: full tensors only, the fastest named
+    p = _judged_planner({**times, "mix": 0.53, "compressed": 0.566}, halves)
     assert p.leave_full(cands, PLANS["full"]) == (None, [], PLANS["mix"])
+
+
+def test_a_plan_that_copies_nothing_leaves_full_tensors_at_the_smaller_margin():
+    """The H100's case (docs/benchmarks.md §22q): compressed only predicted about 0.91x full
+    tensors only (ran 0.88x). A plan of full and compressed slots copies nothing and needs 3%
+    (1.5% on each half); a mix with E-only slots predicted faster still needs 10%."""
+    from zipmoe.runtime.plan import planner as P
+
+    assert P.copies_nothing(PLANS["compressed"]) and P.copies_nothing(PLANS["full"])
+    assert not P.copies_nothing(PLANS["mix"]) and not P.copies_nothing(PLANS["e_only"])
+    assert P.margin_for(PLANS["compressed"]) == P.COPY_FREE_MARGIN < P.margin_for(PLANS["mix"]) == P.PREFER_FULL_MARGIN
+    cands = [PLANS[k] for k in ("mix", "compressed", "e_only", "full")]
+    # the mix 8% faster (not 10%), compressed only 5%: the mix is skipped, compressed only chosen
+    times = {"full": 0.580, "mix": 0.5336, "compressed": 0.551, "e_only": 0.622}
+    halves = {"full": (0.577, 0.608), "mix": (0.53, 0.56), "compressed": (0.56, 0.59), "e_only": (0.62, 0.63)}
+    chosen, hv, fastest = _judged_planner(times, halves).leave_full(cands, PLANS["full"])
+    assert chosen == PLANS["compressed"] and fastest == PLANS["mix"] and hv == [(0.56, 0.577), (0.59, 0.608)]
+    # compressed only 2% faster: under its margin, full tensors only
+    assert _judged_planner({**times, "compressed": 0.5684}, halves).leave_full(cands, PLANS["full"])[0] is None
+    # 5% faster on the whole but level on a half (0.605 against 0.608 is 0.5%, not 1.5%): full tensors only
+    p = _judged_planner(times, {**halves, "compressed": (0.56, 0.605)})
+    assert p.leave_full(cands, PLANS["full"])[0] is None

@@ -200,13 +200,13 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     """The rank model chose a mixed plan (its steady state has no churn, so it admits nothing):
     judge it against full tensors only on the recorded routing, replayed through the runtime's
     cache with the host pools' admission copies charged (runtime/plan/planner.py ``beats_full``,
-    the rule ``zipmoe plan`` applies: ``PREFER_FULL_MARGIN`` faster on the whole replay and on each half). Without
+    the rule ``zipmoe plan`` applies: ``margin_for`` the mix faster on the whole replay and on each half). Without
     enough recorded routing the mix is not trusted: full tensors only (on the H100 box the default
     fitted so chose a mix that ran 4.7% slower than full tensors only, docs/benchmarks.md §22k).
     Returns ``(plan, what was decided, for the line)``."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import expert_tensors
-    from zipmoe.runtime.plan.planner import PREFER_FULL_MARGIN, Planner
+    from zipmoe.runtime.plan.planner import Planner, pct, margin_for
     from zipmoe.runtime.plan.replay import LayerCall
 
     full = full_only_plan(layout, budget, workers)
@@ -229,4 +229,4 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
         plan["expected_tpot_s"] = t_mix
         return plan, judged
     full["expected_tpot_s"] = t_full
-    return full, judged + f" (a mix must be {100 * PREFER_FULL_MARGIN:.0f}% faster): full tensors only"
+    return full, judged + f" (this mix must be {pct(margin_for(mix))}% faster): full tensors only"
