@@ -630,7 +630,7 @@ def test_leaving_full_tensors_takes_the_fastest_plan_that_gains_enough_and_the_s
     chosen, hv, fastest = p.leave_full(cands, PLANS["full"])
     assert chosen == PLANS["compressed"] and fastest == PLANS["mix"] and len(hv) == 2
     # held to the whole margin on each half (the rule until 7 Dec), the mix fails its 10% on a half;
-    # compressed only, copying nothing, passes its 5% on each (until the night of 7 Dec it needed 10% too: nothing
+    # compressed only, copying nothing, passes its 3% on each (until the night of 7 Dec it needed 10% too: nothing
     # left full tensors then)
     monkeypatch.setattr(P, "HALF_SHARE", 1.0)
     assert p.leave_full(cands, PLANS["full"]) == (PLANS["compressed"], [(0.526, 0.577), (0.556, 0.608)], PLANS["mix"])
@@ -649,15 +649,15 @@ def test_leaving_full_tensors_takes_the_fastest_plan_that_gains_enough_and_the_s
     p = _judged_planner({**times, "compressed": 0.5250}, halves)
     chosen, _hv, fastest = p.leave_full(cands, PLANS["full"])
     assert chosen == PLANS["mix"] and fastest is None
-    # nothing 10% faster on the whole, and compressed only not 5%: full tensors only, the fastest named
+    # nothing 10% faster on the whole, and compressed only not 3%: full tensors only, the fastest named
     p = _judged_planner({**times, "mix": 0.53, "compressed": 0.566}, halves)
     assert p.leave_full(cands, PLANS["full"]) == (None, [], PLANS["mix"])
 
 
 def test_a_plan_that_copies_nothing_leaves_full_tensors_at_the_smaller_margin():
     """The H100's case (docs/benchmarks.md §22q): compressed only predicted about 0.91x full
-    tensors only (ran 0.88x). A plan of full and compressed slots copies nothing and needs 5%
-    (2.5% on each half); a mix with E-only slots predicted faster still needs 10%."""
+    tensors only (ran 0.88x). A plan of full and compressed slots copies nothing and needs 3%
+    (1.5% on each half); a mix with E-only slots predicted faster still needs 10%."""
     from zipmoe.runtime.plan import planner as P
 
     assert P.copies_nothing(PLANS["compressed"]) and P.copies_nothing(PLANS["full"])
@@ -671,6 +671,6 @@ def test_a_plan_that_copies_nothing_leaves_full_tensors_at_the_smaller_margin():
     assert chosen == PLANS["compressed"] and fastest == PLANS["mix"] and hv == [(0.56, 0.577), (0.59, 0.608)]
     # compressed only 2% faster: under its margin, full tensors only
     assert _judged_planner({**times, "compressed": 0.5684}, halves).leave_full(cands, PLANS["full"])[0] is None
-    # 6% faster on the whole but level on a half (0.605 against 0.608 is 0.5%, not 2.5%): full tensors only
+    # 6% faster on the whole but level on a half (0.605 against 0.608 is 0.5%, not 1.5%): full tensors only
     p = _judged_planner(times, {**halves, "compressed": (0.56, 0.605)})
     assert p.leave_full(cands, PLANS["full"])[0] is None
