@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner's 3% margin for plans of full and compressed slots (8 Dec code, 7 Dec date): the plans
+# The planner's 3% margin for plans of full and compressed slots (7 Dec, night): the plans
 # of revision 7's CPU profile (../2026-12-07-cpu-betafit/profile.json, its container mtime set to
 # this pack's; the same container id) and calibration, re-planned at 300M/500M/800M; the chosen
 # plan against full tensors only, one bench each (the two engines alternate, 2 rounds), 128 tokens
