@@ -674,3 +674,54 @@ def test_a_plan_that_copies_nothing_leaves_full_tensors_at_the_smaller_margin():
     # 6% faster on the whole but level on a half (0.605 against 0.608 is 0.5%, not 1.5%): full tensors only
     p = _judged_planner(times, {**halves, "compressed": (0.56, 0.605)})
     assert p.leave_full(cands, PLANS["full"])[0] is None
+
+
+def test_default_plan_replays_compressed_only_when_the_rank_model_keeps_full_tensors_close_behind(container, tmp_path,
+                                                                                                   monkeypatch):
+    """The rank model's steady state put compressed only 1.1% ahead of full tensors only on the
+    CPU box at 300M (under the 3% margin: full tensors only), the replay of the routing 3.8%, and
+    it ran 1.08x faster (docs/benchmarks.md §22r). Where the fit keeps full tensors only with
+    compressed only within ``REPLAY_COMPRESSED_WITHIN``, the default replays compressed only on
+    the recorded routing, as `zipmoe plan` judges every single-pool plan, under the same margin."""
+    from zipmoe.runtime.plan import default as D
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
+
+    path, cid, layout = container
+    E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
+    budget = layout.min_budget(1)
+    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
+        budget += 4096
+    hot = list(range(max(k + 1, (E * 5) // 8)))
+    routing = [(l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)})))
+               for step in range(160) for l in layout.sparse_layers]
+    uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
+
+    def fitted(compressed_s, tmp):
+        per = {"full": 0.0, "compressed": compressed_s, "sm_only": 0.009, "e_only": 0.0095, "none": 0.010}
+        prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
+                "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
+                "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                          "compute_s_per_expert": 1e-4, "admit_bw": 1e15},
+                "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
+        save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
+        D.record_usage(tmp, cid, uses, calls=160, routing=routing)
+        return D.default_plan(path, budget, "cpu", 1, tmp, readers=4)
+
+    # compressed only about 0.5% ahead in the rank model (full tensors only fitted), 3.7% on the replay: chosen
+    plan, line = fitted(0.0033, tmp_path / "a")
+    alts = plan["alternatives"]
+    assert alts["compressed only"]["expected_tpot_s"] < alts["full only"]["expected_tpot_s"] < 1.03 * alts["compressed only"]["expected_tpot_s"]
+    assert plan["pools"]["compressed"] > 0 and plan["pools"]["full"] == 0, line
+    assert f"replayed {160 * n} recorded decode layer calls: compressed only" in line and "must be" not in line, line
+    # without the replay of compressed only, the fit keeps full tensors only
+    monkeypatch.setattr(D, "REPLAY_COMPRESSED_WITHIN", -1.0)
+    plan, line = fitted(0.0033, tmp_path / "b")
+    assert plan["pools"]["compressed"] == 0 and plan["pools"]["full"] > 0 and "replayed" not in line, line
+    monkeypatch.undo()
+    # compressed only replayed 2% ahead: under the margin, full tensors only, and the line says why
+    plan, line = fitted(0.0036, tmp_path / "c")
+    assert plan["pools"]["compressed"] == 0 and plan["pools"]["full"] > 0, line
+    assert "compressed only" in line and "(it must be 3% faster): full tensors only" in line, line
+    # too few recorded decode calls: no replay
+    assert D._compressed_worth_replaying(plan, routing, layout)
+    assert not D._compressed_worth_replaying(plan, routing[:10], layout)

@@ -178,6 +178,15 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan, recent)
         if verdict:
             what += f"; {verdict}"
+    elif _compressed_worth_replaying(plan, recent, layout):
+        # the rank model kept full tensors only, with compressed only close behind: the replay of
+        # the recorded routing, which `zipmoe plan` judges every single-pool plan by, decides
+        alt = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached",
+                        only="compressed")
+        chosen, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, alt, recent)
+        if chosen is alt:
+            plan = alt
+        what += "; " + verdict.replace("the mix", "compressed only", 1).replace("this mix", "it", 1)
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
     line = (f"default plan: fitted at load from the cached profile and {what}: {pools or 'no pools'}, "
             f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per token")
@@ -193,6 +202,27 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
 
 #: recorded decode calls the default plan needs before it replays them to judge a mix
 MIN_REPLAY_DECODE_CALLS = 256
+#: where the rank model keeps full tensors only but predicts compressed only within this share of
+#: it, the default replays compressed only too (on the CPU box at 300M the rank model put it 1.1%
+#: ahead, the replay 3.8%, and it ran 1.08x faster: docs/benchmarks.md §22r)
+REPLAY_COMPRESSED_WITHIN = 0.10
+
+
+def _decode_calls(recent: list, layout) -> int:
+    """The recorded layer calls a replay would judge by: decode calls (at most ``top_k`` experts) of sparse layers."""
+    sparse = set(layout.sparse_layers)
+    return sum(1 for layer, ex in recent if layer in sparse and len(ex) <= layout.top_k)
+
+
+def _compressed_worth_replaying(plan: dict, recent: list, layout) -> bool:
+    """Whether a full-tensors-only fit should have compressed only judged on the recorded routing:
+    the rank model predicts it within ``REPLAY_COMPRESSED_WITHIN`` of full tensors only and there
+    are enough recorded decode calls to replay."""
+    alts = plan.get("alternatives") or {}
+    c, f = (alts.get("compressed only") or {}).get("expected_tpot_s"), (alts.get("full only") or {}).get("expected_tpot_s")
+    if not c or not f or float(c) > (1 + REPLAY_COMPRESSED_WITHIN) * float(f):
+        return False
+    return _decode_calls(recent, layout) >= MIN_REPLAY_DECODE_CALLS
 
 
 def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, device: str, plan: dict,
