@@ -240,7 +240,7 @@ class Planner:
             if t > (1 - min(PREFER_FULL_MARGIN, COPY_FREE_MARGIN)) * t_full:
                 break  # sorted: none after it is fast enough either, at the smaller margin
             if t > (1 - margin_for(c)) * t_full:
-                continue  # host pools, not 10% faster; a copy-free plan after it may pass its 3%
+                continue  # a host-pool plan short of its margin: a copy-free one after it may pass its smaller one
             if passing and t > (1 + SIMPLER_WITHIN) * self.judged_s(passing[0][0]):
                 break  # predicted slower than the fastest that passes
             ok, halves = self.beats_full(c, full)
