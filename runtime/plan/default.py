@@ -183,10 +183,10 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         # the recorded routing, which `zipmoe plan` judges every single-pool plan by, decides
         alt = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached",
                         only="compressed")
-        chosen, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, alt, recent)
+        chosen, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, alt, recent, name="compressed only")
         if chosen is alt:
             plan = alt
-        what += "; " + verdict.replace("the mix", "compressed only", 1).replace("this mix", "it", 1)
+        what += f"; {verdict}"
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
     line = (f"default plan: fitted at load from the cached profile and {what}: {pools or 'no pools'}, "
             f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per token")
@@ -226,14 +226,14 @@ def _compressed_worth_replaying(plan: dict, recent: list, layout) -> bool:
 
 
 def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, device: str, plan: dict,
-                 recent: list) -> tuple[dict, str]:
+                 recent: list, name: str = "the mix") -> tuple[dict, str]:
     """The rank model chose a mixed plan (its steady state has no churn, so it admits nothing):
     judge it against full tensors only on the recorded routing, replayed through the runtime's
     cache with the host pools' admission copies charged (runtime/plan/planner.py ``beats_full``,
     the rule ``zipmoe plan`` applies: ``margin_for`` the mix faster on the whole replay and on each half). Without
     enough recorded routing the mix is not trusted: full tensors only (on the H100 box the default
     fitted so chose a mix that ran 4.7% slower than full tensors only, docs/benchmarks.md §22k).
-    Returns ``(plan, what was decided, for the line)``."""
+    ``name``: what the line calls ``plan``. Returns ``(plan, what was decided, for the line)``."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import expert_tensors
     from zipmoe.runtime.plan.planner import Planner, pct, margin_for
@@ -242,11 +242,11 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     full = full_only_plan(layout, budget, workers)
     full["expected_tpot_s"] = float((plan.get("alternatives", {}).get("full only") or {}).get("expected_tpot_s", 0.0))
     sparse = set(layout.sparse_layers)
-    calls = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
-    decode = sum(1 for c in calls if c.decode)
+    decode = _decode_calls(recent, layout)
     if decode < MIN_REPLAY_DECODE_CALLS:
         return full, (f"the mix it fitted is not used: {decode} recorded decode layer calls to judge it by "
                       f"(at least {MIN_REPLAY_DECODE_CALLS})")
+    calls = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
     with ContainerReader(path) as reader:
         ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
     planner = Planner(layout, stats, prof, workers, layout.window(budget, workers))
@@ -254,9 +254,9 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     mix, only = plan["slots"]["per_layer"], plan["alternatives"]["full only"]["slots"]
     ok, _halves = planner.beats_full(mix, only)
     t_mix, t_full = planner.judged_s(mix), planner.judged_s(only)
-    judged = f"replayed {decode} recorded decode layer calls: the mix {1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms"
+    judged = f"replayed {decode} recorded decode layer calls: {name} {1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms"
     if ok:
         plan["expected_tpot_s"] = t_mix
         return plan, judged
     full["expected_tpot_s"] = t_full
-    return full, judged + f" (this mix must be {pct(margin_for(mix))}% faster): full tensors only"
+    return full, judged + f" (it must be {pct(margin_for(mix))}% faster): full tensors only"
