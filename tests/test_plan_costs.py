@@ -439,18 +439,30 @@ def _spy_fit(monkeypatch, name: str, pool: str) -> dict:
     return seen
 
 
-def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_took(container, monkeypatch):
+@pytest.fixture(scope="module")
+def served_profile(container):
+    """One runtime profile of the container with both served passes (12 tokens), each served fit
+    spied (:func:`_spy_fit`): ``(what each fit was given, by pool, the profile)``."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan import passes
+
+    path, _cid, layout = container
+    with pytest.MonkeyPatch.context() as mp:
+        seen = {"full": _spy_fit(mp, "served_miss_scale", "full"),
+                "compressed": _spy_fit(mp, "served_beta_fit", "compressed")}
+        out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
+    assert "serving_error" not in out, out.get("serving_error")
+    return seen, out
+
+
+def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_took(container, served_profile):
     """Without graphs the profile serves the stream at capacity (a quarter of the experts whole, from an
     empty cache) and scales the misses' costs so that the cost model, charged for that run's own
     routing (replayed: the run's hits), gives the run's measured mean step."""
-    pytest.importorskip("zipmoe.runtime.engine.loader")
-    from zipmoe.runtime.plan import passes
     from zipmoe.runtime.plan.replay import model_run
 
-    seen = _spy_fit(monkeypatch, "served_miss_scale", "full")
-    path, _cid, layout = container
-    out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
-    assert "serving_error" not in out, out.get("serving_error")
+    (spied, out), (_path, _cid, layout) = served_profile, container
+    seen = spied["full"]
     served = out["states"]["served"]
     assert served["steps"] == 12 and "routing" not in served  # the profile keeps no routing
     assert served["capacity"] == int(0.25 * layout.total_expert_full)
@@ -472,19 +484,15 @@ def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_too
     json.dumps(out)
 
 
-def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, monkeypatch):
+def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, served_profile):
     """With β measured, the profile serves the stream from an empty cache of one compressed pool at
     capacity (hits and misses mixed, no full hits) and fits β so that the cost model, charged for
     that run's own routing replayed through the same pool, gives its measured mean step (docs/
     benchmarks.md §22q: the β pass measured 4x what serving implied on an H100)."""
-    pytest.importorskip("zipmoe.runtime.engine.loader")
-    from zipmoe.runtime.plan import passes
     from zipmoe.runtime.plan.replay import model_run
 
-    seen = _spy_fit(monkeypatch, "served_beta_fit", "compressed")
-    path, _cid, layout = container
-    out = passes.measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=3, miss_tokens=3, served_tokens=12)
-    assert "serving_error" not in out, out.get("serving_error")
+    (spied, out), (_path, _cid, layout) = served_profile, container
+    seen = spied["compressed"]
     served = out["states"]["served_compressed"]
     assert served["pool"] == "compressed" and served["steps"] == 12 and "routing" not in served
     every = layout.slot_bytes["compressed"] * layout.num_experts * len(layout.decode_layers)
