@@ -36,7 +36,12 @@ from __future__ import annotations
 
 import mmap
 
-__all__ = ["Adopter"]
+__all__ = ["Adopter", "COPYING_POOLS"]
+
+#: the host pools that copy what they take (fetched or demoted halves, on the serving thread):
+#: the compressed pool adopts the read buffers instead. The planner charges these copies
+#: (runtime/plan/replay.py) and holds plans with such pools to its larger margin (planner.py)
+COPYING_POOLS = ("sm_only", "e_only")
 
 
 def _trim_tail(buf, used: int) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from zipmoe.errors import BudgetError
 from zipmoe.units import format_size
 
+from zipmoe.runtime.engine.adopt import COPYING_POOLS
 from zipmoe.runtime.plan.layout import ContainerLayout
 from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, StepTable, solve_cps
 from zipmoe.runtime.plan.search import POOLS, search
@@ -66,7 +67,7 @@ ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill
 def copies_nothing(slots: dict) -> bool:
     """Whether a plan has only full and compressed slots: its host pools admit by keeping the
     read buffers, so it copies nothing on the serving thread."""
-    return not any(float(slots.get(p, 0) or 0) > 0 for p in ("sm_only", "e_only"))
+    return not any(float(slots.get(p, 0) or 0) > 0 for p in COPYING_POOLS)
 
 
 def margin_for(slots: dict) -> float:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zipmoe.runtime.engine.adopt import COPYING_POOLS
 from zipmoe.runtime.engine.cache import ExpertCache
 from zipmoe.runtime.engine.fetch import issue_order
 from zipmoe.runtime.engine.states import STATES
@@ -217,7 +218,7 @@ def replay(calls: list[LayerCall], expert_tensors: dict, pools: dict, *, age_eve
     def host_admitted() -> int:
         # what the runtime copies: the SM-only and E-only pools' admissions and demotions (the
         # compressed pool keeps the read buffers, engine/adopt.py)
-        return adm["sm_only"] + adm["e_only"] + cas["sm_only"] + cas["e_only"]
+        return sum(adm[p] + cas[p] for p in COPYING_POOLS)
 
     touch, state_of, pin = cache.touch, cache.state_of, cache.pin
     for i, call in enumerate(calls):
