@@ -32,10 +32,11 @@ adds over the resident step per expert in each state (runtime/plan/model.py, ``S
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["measure_runtime", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "runtime_for_passes", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -62,26 +63,28 @@ def forced_stream(tok, config: dict, steps: int, prompt_tokens: int = 16):
     return torch.tensor([prompts[0]], dtype=torch.long), [int(t) for t in forced[0]]
 
 
-def _pass_loop(model, rt, need: int):
-    """The passes' one decode loop (kept on the runtime), at least ``need`` positions long."""
+def _pass_loop(model, rt, need: int, batch: int = 1):
+    """The passes' decode loop of ``batch`` rows (kept on the runtime), at least ``need`` positions long."""
     from zipmoe.runtime.engine.loop import DecodeLoop
 
-    loop = rt.loops.get("plan-pass")
+    name = "plan-pass" if batch == 1 else f"plan-pass-b{batch}"
+    loop = rt.loops.get(name)
     if loop is None or loop.context < need:
-        loop = rt.loops["plan-pass"] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=1)
+        loop = rt.loops[name] = DecodeLoop(model, context=max(64, -(-need // 64) * 64), batch=batch)
     return loop
 
 
 def _run_stream(model, rt, prompt, forced, *, between_steps=None, routing: list | None = None) -> tuple[list[float], dict]:
-    """Prefill ``prompt``, then feed ``forced`` one token per step through the runtime's decode
-    loop; returns each step's wall time (device synchronised) and the counters' delta of the steps.
+    """Prefill ``prompt`` (``[rows, p]``), then feed ``forced`` one token per step (an int, or a
+    list of one per row) through the runtime's decode loop of that many rows; returns each step's
+    wall time (device synchronised) and the counters' delta of the steps.
     ``routing``: a list that receives, per token (the prefill first), its layer calls
     ``(layer, experts)`` as bench records them (the counters' ``log_uses``)."""
     import torch
 
     from zipmoe.runtime.engine.counters import delta
 
-    loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1)
+    loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1, batch=int(prompt.shape[0]))
     cuda = rt.device.type == "cuda"
     log = rt.counters.log_uses if routing is not None else (lambda on: None)
     with torch.inference_mode():
@@ -98,7 +101,7 @@ def _run_stream(model, rt, prompt, forced, *, between_steps=None, routing: list 
                 between_steps()
             log(True)
             t0 = time.perf_counter()
-            loop.step(torch.tensor([t], dtype=torch.long))
+            loop.step(torch.tensor(t if isinstance(t, (list, tuple)) else [t], dtype=torch.long))
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -410,7 +413,7 @@ def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | Non
     if not res.get("step_s") or not (passes.get("none") or {}).get("step_s"):
         return None
     base = float(res["step_s"])
-    per = max(1, int(sparse_layers) * int(top_k))
+    per = max(1.0, int(sparse_layers) * float(top_k))  # (a batch's passes: the experts a layer call chose)
     out = {"resident_step_s": base, "graphs": bool(passes.get("graphs")), "per_expert_s": {}, "measured_share": {}}
     for state, name in (("full", "full_host"), ("compressed", "compressed"), ("sm_only", "sm_only"),
                         ("e_only", "e_only"), ("none", "none")):
@@ -436,7 +439,7 @@ def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | Non
     # planner charges apart (admit_bw): the admission time it spent beyond the curve's pass is
     # taken out first
     mixed = passes.get("compressed_beside_misses")
-    k, L = int(top_k), max(1, int(sparse_layers))
+    k, L = int(round(float(top_k))), max(1, int(sparse_layers))
     if mixed and mixed.get("step_s") is not None and curve:
         j = int(mixed["misses_per_layer"])
         lone = passes.get(f"misses_{j}") or {}
@@ -454,6 +457,33 @@ def state_step_costs(passes: dict, top_k: int, sparse_layers: int) -> dict | Non
 def miss_counts(k: int) -> list[int]:
     """The misses per layer the profile serves: every count up to 8, else 1, 2, k/2 and k."""
     return list(range(1, k + 1)) if k <= 8 else sorted({1, 2, k // 2, k})
+
+
+@contextmanager
+def runtime_for_passes(path, layout, device: str, workers: int, load_options: dict | None = None):
+    """The model the served passes run on, loaded at the budget they need: every expert whole
+    when that fits in a quarter of the free memory, else as much as does. Yields ``(model,
+    tokenizer, budget, want)`` (``want``: the budget that holds every expert); closes its fetcher
+    and restores torch's thread count after."""
+    import torch
+
+    from zipmoe.machine import torch_threads
+    from zipmoe.runtime.engine.loader import load
+    from zipmoe.runtime.plan.calibrate import load_kwargs
+
+    want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
+    budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
+    old = torch.get_num_threads()
+    model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
+                      **load_kwargs(layout.dtype), **(load_options or {}))
+    try:
+        yield model, tok, budget, want
+    finally:
+        try:
+            model.zipmoe.fetcher.close()
+        except Exception:  # noqa: BLE001
+            pass
+        torch.set_num_threads(old)
 
 
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
@@ -479,16 +509,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
     """
     import torch
 
-    from zipmoe.machine import torch_threads
-    from zipmoe.runtime.plan.calibrate import load_kwargs
-    from zipmoe.runtime.engine.loader import load
-
-    want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
-    budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
-    old = torch.get_num_threads()
-    model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
-                      **load_kwargs(layout.dtype), **(load_options or {}))
-    try:
+    with runtime_for_passes(path, layout, device, workers, load_options) as (model, tok, budget, want):
         rt = model.zipmoe
         cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
         prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
@@ -571,9 +592,4 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             out["serving_error"] = f"{type(exc).__name__}: {exc}"
         out["window"] = rt.window
         return out
-    finally:
-        try:
-            model.zipmoe.fetcher.close()
-        except Exception:  # noqa: BLE001
-            pass
-        torch.set_num_threads(old)
+
