@@ -214,6 +214,15 @@ def _cycle(experts_of_prompt, prompts, steps=30):
     return calls
 
 
+def _cheap_compressed_profile():
+    """Costs where a compressed hit costs a thirtieth of a miss (the host pools nearly a miss)."""
+    return {"costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False,
+                           "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.004, "e_only": 0.005,
+                                            "none": 0.006}}}
+
+
 def test_a_mixed_plan_must_win_on_each_half_of_the_prompts(monkeypatch):
     """Routing whose first prompts cycle over more experts than full tensors hold (a compressed pool
     holds them all) and whose last prompts over a few (both plans hit everything): the mixed plan
@@ -223,11 +232,7 @@ def test_a_mixed_plan_must_win_on_each_half_of_the_prompts(monkeypatch):
 
     monkeypatch.setattr(P, "PREFER_FULL_MARGIN", 0.03)  # the rule of the halves, at a margin these cycles pass
     layout, stats, _, _ = _planner()
-    prof = {"costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
-                      "compute_s_per_expert": 1e-4},
-            "step_costs": {"resident_step_s": 0.01, "graphs": False,
-                           "per_expert_s": {"full": 0.0, "compressed": 0.0002, "sm_only": 0.004, "e_only": 0.005,
-                                            "none": 0.006}}}
+    prof = _cheap_compressed_profile()
     budget = layout.min_budget(1) + 3 * 20000 + 5 * 6144 * 2  # five experts a layer whole, about seven compressed
     wide = lambda p: [0, 1, 2, 3, 4, 5, 6]  # noqa: E731 - seven experts: more than full tensors hold
     narrow = lambda p: [8, 9, 10]  # noqa: E731

@@ -55,6 +55,7 @@ def plan(
     calibrate_tokens: int = typer.Option(32, "--calibrate-tokens", metavar="N", help="Tokens generated per calibration prompt."),
     workers: int = typer.Option(0, "--workers", metavar="N", help="Decode workers the runtime will use (default: the runtime's default)."),
     force: bool = typer.Option(False, "--force", help="Load even under a memory limit below what serving needs (it will thrash)."),
+    batch: int = typer.Option(1, "--batch", metavar="N", help="Plan for N rows served together (`bench --batch N`, `serve` with N clients): the states' costs are served at N rows once (kept in the profile) and the calibration's routing is replayed as N rows call the layers. Needs --trace or --calibrate."),
     only: str = typer.Option(None, "--only", metavar="full|compressed|sm_only|e_only", help="Write that pool's single-pool plan instead of the planner's choice (which it still prints): to measure one pool against another with `bench --plan`, or to pin one."),
 ) -> None:
     """Split a memory budget among the cache pools (full, compressed, SM only, E only)."""
@@ -85,6 +86,10 @@ def plan(
         raise UsageError(f"--only: one of {', '.join(POOLS)}, got {only!r}")
     if only is not None and profile_only:
         raise UsageError("--only writes a plan; it does not go with --profile-only")
+    if batch < 1:
+        raise UsageError(f"--batch must be at least 1, got {batch}")
+    if batch > 1 and not (trace or calibrate) and not profile_only:
+        raise UsageError("--batch N replays recorded routing as N rows call the layers: give --trace or --calibrate")
     workers = workers or decode_workers()
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget_bytes is None and not profile_only:
@@ -156,6 +161,17 @@ def plan(
                       f"({prof['compute']['torch_threads']} torch threads)")
         return
 
+    if batch > 1:  # the states' costs served at the batch, measured once and kept in the profile
+        from zipmoe.runtime.plan.batched import ensure_batch
+        from zipmoe.runtime.plan.profile import default_profile_path
+
+        if not as_json and not ((prof.get("batches") or {}).get(str(batch)) or {}).get("step_costs"):
+            err.print(f"[dim]serving each cache state at batch {batch} (once; kept in the profile)...[/dim]")
+        keep = profile if profile is not None else default_profile_path(cid, dev, layout.dtype, cache_dir=cache_dir())
+        prof, _ = ensure_batch(prof, batch, path, layout, device=dev, workers=workers,
+                               load_options={**engine_options, **({"readers": r} if (r := prof.get("disk", {}).get("readers")) else {})},
+                               save_to=keep)
+
     replay = None
     if traces:  # the recorded routing itself: the best candidates are judged by replaying it (docs/planner.md)
         from zipmoe.runtime.plan.replay import layer_calls_from_trace
@@ -163,7 +179,8 @@ def plan(
         replay = (layer_calls_from_trace(traces, layers=layout.sparse_layers), ets)
     result = make_plan(layout, budget_bytes, stats, prof, workers=workers, device=dev, profile_source=source,
                        profile_path=str(profile) if profile is not None else None,
-                       prefetch_recall=read_recall(traces) if traces else None, replay=replay, only=only)
+                       prefetch_recall=read_recall(traces) if traces else None, replay=replay, only=only,
+                       batch=batch)
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -21,6 +21,7 @@ from zipmoe.units import format_size
 
 from zipmoe.runtime.engine.adopt import COPYING_POOLS
 from zipmoe.runtime.plan.layout import ContainerLayout
+from zipmoe.runtime.plan.batched import step_costs_at
 from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, StepTable, solve_cps
 from zipmoe.runtime.plan.search import POOLS, search
 from zipmoe.runtime.plan.stats import ActivationStats
@@ -110,8 +111,9 @@ class Planner:
     """The objective for one container, statistics, costs and worker count."""
 
     def __init__(self, layout: ContainerLayout, stats: ActivationStats, profile: dict, workers: int,
-                 window: int | None = None, prefetch_recall: float | None = None) -> None:
+                 window: int | None = None, prefetch_recall: float | None = None, batch: int = 1) -> None:
         self.layout, self.stats, self.profile, self.workers = layout, stats, profile, int(workers)
+        self.batch = int(batch)  # rows served together: the costs served at that batch (plan/batched.py)
         # prefetch across layers (engine/prefetch.py), as the calibration pass measured it: the
         # share of a layer's chosen experts the predictor had named (None: prefetch off or unknown)
         self.prefetch_recall = None if prefetch_recall is None else min(1.0, max(0.0, float(prefetch_recall)))
@@ -129,7 +131,9 @@ class Planner:
         # the cost model: per-state costs measured by serving each state alone (profile
         # "step_costs", runtime/plan/passes.py) where the profile has them, else the schedule
         # model with the costs measured alone and fitted to two served passes (plan/fits.py)
-        sc = profile.get("step_costs") or {}
+        sc = step_costs_at(profile, self.batch) or {}
+        if self.batch > 1 and not sc:
+            raise ValueError(f"the profile has no costs served at batch {self.batch} (runtime/plan/batched.py measure_batch)")
         if all(s in (sc.get("per_expert_s") or {}) for s in POOL_ORDER) and sc.get("resident_step_s"):
             self.step_costs = sc
             self.cost_model = "measured states"
@@ -339,8 +343,9 @@ class Planner:
         lines = []
         if self.step_costs is not None:
             a = self.step_costs["per_expert_s"]
-            lines.append("per chosen expert, measured by serving each state alone (ms added to the "
-                         f"{1e3 * self.step_costs['resident_step_s']:.2f} ms resident step): "
+            rows = f" of {self.batch} rows" if self.batch > 1 else ""
+            lines.append(f"per chosen expert, measured by serving each state alone{rows} (ms added to the "
+                         f"{1e3 * self.step_costs['resident_step_s']:.2f} ms resident step{rows}): "
                          + ", ".join(f"{s} {1e3 * a[s]:.3f}" for s in POOL_ORDER)
                          + ("; a layer whose experts are all full hits runs from its CUDA graph (adds 0)"
                             if self.step_costs.get("graphs") else ""))
@@ -457,7 +462,8 @@ class Planner:
 
 def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, profile: dict, *, workers: int,
               device: str = "cpu", profile_source: str = "measured", profile_path: str | None = None,
-              prefetch_recall: float | None = None, replay: tuple | None = None, only: str | None = None) -> dict:
+              prefetch_recall: float | None = None, replay: tuple | None = None, only: str | None = None,
+              batch: int = 1) -> dict:
     """The plan.json document for ``budget`` bytes. Raises BudgetError below the minimum.
     ``only``: a pool (``full``, ``compressed``, ``sm_only``, ``e_only``) whose single-pool plan
     is written instead of the planner's choice (``zipmoe plan --only``: to measure the pools one
@@ -467,7 +473,10 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
     ``replay``: ``(layer calls, expert tensors)`` of the recorded routing (runtime.plan.replay;
     the container's tensors as ``runtime.plan.layout.expert_tensors`` builds them): the search's
     best candidates and the single-pool plans are judged again on it and the plan is chosen by
-    that (:meth:`Planner.judged_s`)."""
+    that (:meth:`Planner.judged_s`).
+    ``batch``: the rows served together (``zipmoe plan --batch``): more than 1 needs ``replay`` and
+    the profile's costs served at that batch (runtime/plan/batched.py); the routing is replayed as
+    that many rows call the layers and the predictions are per step of ``batch`` tokens."""
     minimum = layout.min_budget(workers)
     if budget < minimum:
         raise BudgetError(
@@ -476,10 +485,15 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
             f"decode scratch {format_size(minimum - layout.dense_bytes)})"
         )
     window = layout.window(budget, workers)
-    planner = Planner(layout, stats, profile, workers, window, prefetch_recall)
+    batch = int(batch)
+    if batch > 1 and replay is None:
+        raise ValueError("a plan for a batch replays the recorded routing as the batch calls the layers: give replay")
+    planner = Planner(layout, stats, profile, workers, window, prefetch_recall, batch=batch)
     if replay is not None:
+        from zipmoe.runtime.plan.replay import batched_calls
+
         calls, ets = replay
-        planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
+        planner.use_replay(batched_calls(calls, batch), ets, slots=str(device).startswith("cuda"))
     pool_bytes = layout.pool_bytes(budget, workers)
     n = len(layout.decode_layers)
     per_layer = pool_bytes // n
@@ -559,6 +573,7 @@ def make_plan(layout: ContainerLayout, budget: int, stats: ActivationStats, prof
         "dtype": layout.dtype,
         "workers": int(workers),
         "window": int(window),
+        "batch": batch,
         "pools": chosen["pools"],
         "slots": {
             "per_layer": chosen["slots"],

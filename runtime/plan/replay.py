@@ -48,7 +48,7 @@ from zipmoe.runtime.engine.fetch import issue_order
 from zipmoe.runtime.engine.states import STATES
 
 __all__ = ["LayerCall", "layer_calls_from_trace", "layer_calls_from_steps", "replay", "ReplayResult", "expert_state",
-           "SlotBook", "ReplayPredictor", "model_run", "split_by_prompt", "table_index", "table_value"]
+           "SlotBook", "ReplayPredictor", "model_run", "split_by_prompt", "batched_calls", "table_index", "table_value"]
 
 _INDEX = {s: i for i, s in enumerate(STATES)}
 
@@ -106,6 +106,43 @@ def split_by_prompt(calls: list[LayerCall], parts: int = 2) -> list[list[LayerCa
     for i in range(parts):
         lo, hi = i * len(prompts) // parts, (i + 1) * len(prompts) // parts
         out.append([c for pr in prompts[lo:hi] for c in pr])
+    return out
+
+
+def _steps(calls: list[LayerCall]) -> list[list[LayerCall]]:
+    """One prompt's calls cut into its forward passes (a pass runs its layers in ascending order:
+    a call whose layer is not above the one before begins the next pass)."""
+    out: list[list[LayerCall]] = []
+    for c in calls:
+        if not out or c.layer <= out[-1][-1].layer or c.decode != out[-1][-1].decode:
+            out.append([])
+        out[-1].append(c)
+    return out
+
+
+def batched_calls(calls: list[LayerCall], batch: int) -> list[LayerCall]:
+    """Routing recorded one prompt at a time (a calibration serves its rows at batch 1), as a
+    batch of ``batch`` rows would have called the layers: prompts taken ``batch`` at a time, their
+    prefills together, then their i-th decode steps together, each layer called once with the
+    union of the rows' experts (a row whose prompt has ended adds nothing). The routing of a row
+    does not depend on the rows beside it (the forced tokens are the same), so this is the
+    batch's routing without serving it. ``batch`` 1: the calls as they are."""
+    batch = int(batch)
+    if batch <= 1:
+        return list(calls)
+    prompts = split_by_prompt(calls, parts=len(calls) or 1)
+    out: list[LayerCall] = []
+    for g in range(0, len(prompts), batch):
+        rows = [_steps(p) for p in prompts[g:g + batch]]
+        for i in range(max(len(r) for r in rows)):
+            merged: dict[int, set] = {}
+            decode = True
+            for r in rows:
+                if i < len(r):
+                    for c in r[i]:
+                        merged.setdefault(c.layer, set()).update(c.experts)
+                        decode = decode and c.decode
+            out.extend(LayerCall(layer, tuple(sorted(merged[layer])), decode) for layer in sorted(merged))
     return out
 
 
