@@ -404,6 +404,7 @@ class Planner:
                                  + ("of full and compressed slots (it copies nothing)" if copies_nothing(passed_over)
                                     else "with SM-only or E-only slots")
                                  + f" must be {pct(margin_for(passed_over))}% faster"
+                                 + f" (at most {1 - margin_for(passed_over):.2f}x its time)"
                                  + (f" and {pct(HALF_SHARE * margin_for(passed_over))}% on each half" if halves else "")
                                  + " to be chosen")
             else:

@@ -9,7 +9,7 @@
 #                  tensors only, 4 rows at 500M, 2 rounds -> b4-500M-e_only.json (run-eonly.log)
 #   run.sh sm      sm_only only against full tensors only, the same               -> b4-500M-sm_only.json
 set -x
-Z=${Z:-/work/dev/.venv/bin/zipmoe}; D=/work/main/out/demo.zmoe; H=$(cd "$(dirname "$0")" && pwd); W=${W:-/tmp/b4}
+H=$(cd "$(dirname "$0")" && pwd); R=$(cd "$H/../../.." && pwd); Z=${Z:-$R/.venv/bin/zipmoe}; D=${D:-$R/out/demo.zmoe}; W=${W:-/tmp/b4}
 C=$H/../2026-12-07-cpu-betafit
 export HF_HUB_OFFLINE=1
 mkdir -p $W; cd $W
