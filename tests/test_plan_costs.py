@@ -733,3 +733,53 @@ def test_default_plan_replays_compressed_only_when_the_rank_model_keeps_full_ten
     # too few recorded decode calls: no replay
     assert D._compressed_worth_replaying(plan, routing, layout)
     assert not D._compressed_worth_replaying(plan, routing[:10], layout)
+
+
+@pytest.mark.parametrize("compressed_only, chosen", [(0.905, "compressed only"), (0.95, "the mix")])
+def test_default_plan_chooses_among_the_mix_and_the_single_pools_as_zipmoe_plan_does(container, tmp_path, monkeypatch,
+                                                                                      compressed_only, chosen):
+    """On the CPU box at 500M the default fitted full and compressed slots, replayed 5.5% ahead of
+    full tensors only, and ran 6% behind them, where `zipmoe plan` (judging every single pool on the
+    replay beside the mix, fewest pools among those within 1%) chose compressed only
+    (docs/benchmarks.md §22v). The default now chooses by the same rule: with the replay's verdicts
+    given (the mix 0.90x full tensors only, compressed only 0.905x or 0.95x), compressed only
+    within 1% of the mix is chosen for its one pool, and 5% behind it is not."""
+    from zipmoe.runtime.plan import default as D, planner as P
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
+
+    path, cid, layout = container
+    E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
+    budget = layout.min_budget(1)
+    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
+        budget += 4096
+    hot = list(range(max(k + 1, (E * 5) // 8)))  # expert 0 in every step, the others in turn: full and compressed slots fit
+    routing = [(l, tuple(sorted({0} | {hot[1 + (step * (k - 1) + j) % (len(hot) - 1)] for j in range(k - 1)})))
+               for step in range(160) for l in layout.sparse_layers]
+    uses = {str(l): {e: (160 if e == 0 else 20) for e in hot} for l in layout.sparse_layers}
+    per = {"full": 0.0, "compressed": 0.0012, "sm_only": 0.008, "e_only": 0.009, "none": 0.010}
+    prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
+            "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
+            "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4, "admit_bw": 1e15},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
+    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    D.record_usage(tmp_path, cid, uses, calls=160, routing=routing)
+    # the replay's verdicts, by the pools a plan has (the rank model's fit, before the replay, is its own)
+    share = {("full",): 1.0, ("compressed", "full"): 0.90, ("compressed",): compressed_only}
+    judged = P.Planner.judged_s
+
+    def replayed(self, slots):
+        if self.replayer is None:
+            return judged(self, slots)
+        return 0.02 * share.get(tuple(sorted(p for p, v in slots.items() if float(v) > 0)), 2.0)
+
+    monkeypatch.setattr(P.Planner, "judged_s", replayed)
+    monkeypatch.setattr(P.Planner, "_half_s", lambda self, h, slots: replayed(self, slots))
+    plan, line = D.default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
+    if chosen == "compressed only":
+        assert plan["pools"]["full"] == 0 and plan["pools"]["compressed"] > 0, line
+        assert "compressed only 18.1 ms, the mix 18.0 ms, full tensors only 20.0 ms: compressed only" in line, line
+        assert plan["expected_tpot_s"] == pytest.approx(0.0181)
+    else:
+        assert plan["pools"]["full"] > 0 and plan["pools"]["compressed"] > 0, line
+        assert "the mix 18.0 ms, full tensors only 20.0 ms:" in line and "compressed only" not in line, line

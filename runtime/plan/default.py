@@ -175,7 +175,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({exc})"
     what = f"the activations of {calls} earlier layer calls of this file"
     if any(int(v) for k, v in plan["pools"].items() if k != "full"):
-        plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan, recent)
+        plan, verdict = _confirm_mix(path, layout, budget, stats, prof, workers, device, plan, recent, singles=True)
         if verdict:
             what += f"; {verdict}"
     elif _compressed_worth_replaying(plan, recent, layout):
@@ -226,14 +226,20 @@ def _compressed_worth_replaying(plan: dict, recent: list, layout) -> bool:
 
 
 def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, device: str, plan: dict,
-                 recent: list, name: str = "the mix") -> tuple[dict, str]:
+                 recent: list, name: str = "the mix", singles: bool = False) -> tuple[dict, str]:
     """The rank model chose a mixed plan (its steady state has no churn, so it admits nothing):
     judge it against full tensors only on the recorded routing, replayed through the runtime's
     cache with the host pools' admission copies charged (runtime/plan/planner.py ``beats_full``,
     the rule ``zipmoe plan`` applies: ``margin_for`` the mix faster on the whole replay and on each half). Without
     enough recorded routing the mix is not trusted: full tensors only (on the H100 box the default
     fitted so chose a mix that ran 4.7% slower than full tensors only, docs/benchmarks.md §22k).
-    ``name``: what the line calls ``plan``. Returns ``(plan, what was decided, for the line)``."""
+    ``singles``: the fitted plan's single-pool alternatives are judged beside it on the same replay
+    and the choice is ``zipmoe plan``'s (``Planner.leave_full``: the fastest that gains its margin
+    over full tensors only, and of those within ``SIMPLER_WITHIN`` of it the one with fewest pools;
+    on the CPU box at 500M the default fitted full and compressed slots, replayed 5.5% ahead of
+    full tensors only, and ran 6% behind them, where `zipmoe plan` chose compressed only,
+    docs/benchmarks.md §22v). ``name``: what the line calls ``plan``. Returns ``(plan, what was
+    decided, for the line)``."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.runtime.plan.layout import expert_tensors
     from zipmoe.runtime.plan.planner import Planner, pct, margin_for
@@ -252,7 +258,22 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     planner = Planner(layout, stats, prof, workers, layout.window(budget, workers))
     planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
     mix, only = plan["slots"]["per_layer"], plan["alternatives"]["full only"]["slots"]
-    ok, _halves = planner.beats_full(mix, only)
+    if singles:  # the single pools beside the mix, chosen among as `zipmoe plan` chooses
+        pools = {k[:-len(" only")]: alt["slots"] for k, alt in plan["alternatives"].items()
+                 if k.endswith(" only") and k != "full only"}
+        chosen, _halves, _fastest = planner.leave_full([mix, *pools.values()], only)
+        pool = next((p for p, sl in pools.items() if chosen is not None and dict(sl) == dict(chosen)), None)
+        if pool is not None and dict(chosen) != dict(mix):
+            from zipmoe.runtime.plan.planner import make_plan
+
+            alt = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached", only=pool)
+            t_alt, t_mix, t_full = planner.judged_s(chosen), planner.judged_s(mix), planner.judged_s(only)
+            alt["expected_tpot_s"] = t_alt
+            return alt, (f"replayed {decode} recorded decode layer calls: {pool} only {1e3 * t_alt:.1f} ms, the mix "
+                         f"{1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms: {pool} only")
+        ok = chosen is not None
+    else:
+        ok, _halves = planner.beats_full(mix, only)
     t_mix, t_full = planner.judged_s(mix), planner.judged_s(only)
     judged = f"replayed {decode} recorded decode layer calls: {name} {1e3 * t_mix:.1f} ms, full tensors only {1e3 * t_full:.1f} ms"
     if ok:
