@@ -7,7 +7,8 @@
 # there, as chat and serve keep theirs):
 #   run.sh calib   the calibration (calib.log)
 #   run.sh pair    zipmoe-default against zipmoe-basic, 128 corpus tokens, cold, 2 rounds -> b1-500M-default$SUFFIX.json
-#                  (the code of a2647cc: SUFFIX=-before, run-before.log; with the default choosing as zipmoe plan: run.log)
+#                  (the code of a2647cc: SUFFIX=-before, run-before.log; with the default choosing as zipmoe plan:
+#                  run.log, then SUFFIX=-r2, run-r2.log)
 set -x
 H=$(cd "$(dirname "$0")" && pwd); R=$(cd "$H/../../.." && pwd); Z=${Z:-$R/.venv/bin/zipmoe}; D=${D:-$R/out/demo.zmoe}
 W=${W:-/tmp/defcache}; C=$H/../2026-12-07-cpu-betafit
