@@ -127,7 +127,11 @@ def test_plan_batch_serves_the_states_at_that_batch_once_and_keeps_them_in_the_p
 
     monkeypatch.setattr(batched, "measure_batch", no)
     code, _, err = _run(args, capsys)
-    assert code == 0, err and "serving each cache state" not in err
+    assert code == 0 and "serving each cache state" not in err, err
+    # --profile-only shows them (and would measure them there, without a trace)
+    code, out, err = _run(["plan", path, "--profile-only", "--profile", prof_path, "--batch", "2"], capsys)
+    assert code == 0, err
+    assert "batch 2    served at 2 rows: resident step" in out and "none" in out.splitlines()[-1], out
 
 
 @pytest.mark.parametrize("extra, needle", [(["--batch", "0"], "--batch must be at least 1, got 0"),

@@ -89,7 +89,8 @@ def plan(
     if batch < 1:
         raise UsageError(f"--batch must be at least 1, got {batch}")
     if batch > 1 and not (trace or calibrate) and not profile_only:
-        raise UsageError("--batch N replays recorded routing as N rows call the layers: give --trace or --calibrate")
+        raise UsageError("--batch N replays recorded routing as N rows call the layers: give --trace or --calibrate "
+                         "(or --profile-only to measure its costs alone)")
     workers = workers or decode_workers()
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget_bytes is None and not profile_only:
@@ -140,6 +141,17 @@ def plan(
     busy = busy_warning(prof)
     if busy and not as_json:
         err.print(busy, style="yellow", markup=False, highlight=False)
+    if batch > 1:  # the states' costs served at the batch, measured once and kept in the profile
+        from zipmoe.runtime.plan.batched import ensure_batch
+        from zipmoe.runtime.plan.profile import default_profile_path
+
+        if not as_json and not ((prof.get("batches") or {}).get(str(batch)) or {}).get("step_costs"):
+            err.print(f"[dim]serving each cache state at batch {batch} (once; kept in the profile)...[/dim]")
+        keep = profile if profile is not None else default_profile_path(cid, dev, layout.dtype, cache_dir=cache_dir())
+        prof, _ = ensure_batch(prof, batch, path, layout, device=dev, workers=workers,
+                               load_options={**engine_options, **({"readers": r} if (r := prof.get("disk", {}).get("readers")) else {})},
+                               save_to=keep)
+
     if profile_only:
         if as_json:
             con.print_json(json.dumps(prof))
@@ -159,18 +171,15 @@ def plan(
             con.print(f"  merge      {format_size(c['merge_bw'])}/s bf16 ({prof['merge']['kernel']})")
             con.print(f"  compute    {1e3 * c['compute_s_per_expert']:.3f} ms per expert per token "
                       f"({prof['compute']['torch_threads']} torch threads)")
+            from zipmoe.runtime.plan.batched import step_costs_at
+
+            for n in sorted((prof.get("batches") or {}), key=int):
+                sc = step_costs_at(prof, int(n))
+                if sc:
+                    a = sc["per_expert_s"]
+                    con.print(f"  batch {n}    served at {n} rows: resident step {1e3 * sc['resident_step_s']:.2f} ms, per chosen "
+                              f"expert (ms) " + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in a.items()))
         return
-
-    if batch > 1:  # the states' costs served at the batch, measured once and kept in the profile
-        from zipmoe.runtime.plan.batched import ensure_batch
-        from zipmoe.runtime.plan.profile import default_profile_path
-
-        if not as_json and not ((prof.get("batches") or {}).get(str(batch)) or {}).get("step_costs"):
-            err.print(f"[dim]serving each cache state at batch {batch} (once; kept in the profile)...[/dim]")
-        keep = profile if profile is not None else default_profile_path(cid, dev, layout.dtype, cache_dir=cache_dir())
-        prof, _ = ensure_batch(prof, batch, path, layout, device=dev, workers=workers,
-                               load_options={**engine_options, **({"readers": r} if (r := prof.get("disk", {}).get("readers")) else {})},
-                               save_to=keep)
 
     replay = None
     if traces:  # the recorded routing itself: the best candidates are judged by replaying it (docs/planner.md)
