@@ -557,6 +557,43 @@ def test_no_served_fit_when_switched_off_or_without_a_run(container):
     assert served_miss_scale(out["step_costs"], {"mean_step_s": 0.1, "routing": [], "capacity": 0, "steps": 0}, None) is None
 
 
+def _default_budget(layout) -> int:
+    """A budget whose pools hold 2.5 full tensors a layer (the default plan's tests)."""
+    budget = layout.min_budget(1)
+    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * len(layout.decode_layers):
+        budget += 4096
+    return budget
+
+
+def _cycling_routing(layout, hot: list, keep: int | None = None) -> list:
+    """160 decode steps over ``hot`` in turn, ``top_k`` experts a layer call (``keep``: this expert
+    in every call, the others in turn)."""
+    k = layout.top_k
+    if keep is None:
+        return [(l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)})))
+                for step in range(160) for l in layout.sparse_layers]
+    rest = [e for e in hot if e != keep]
+    return [(l, tuple(sorted({keep} | {rest[(step * (k - 1) + j) % len(rest)] for j in range(k - 1)})))
+            for step in range(160) for l in layout.sparse_layers]
+
+
+def _cache_for_default(container, tmp, per: dict, uses: dict, routing: list, admit_bw: float = 1e15):
+    """A cache folder holding what the default plan fits from: a profile of these per-state costs
+    (this machine and file, 4 readers) and the container's recorded usage and routing."""
+    from zipmoe.runtime.plan.default import record_usage
+    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
+
+    path, cid, _ = container
+    prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
+            "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
+            "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
+                      "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
+            "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
+    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
+    record_usage(tmp, cid, uses, calls=160, routing=routing)
+    return tmp
+
+
 def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_charged(container, tmp_path):
     """The rank model's steady state admits nothing, so a mix the default fits at load is judged
     against full tensors only on the routing earlier runs recorded (``counters.recent_calls``,
@@ -565,32 +602,18 @@ def test_default_plan_judges_a_fitted_mix_on_recorded_routing_with_admissions_ch
     copies eat the gain (as §22k's mix did on the H100). The compressed pool keeps the read
     buffers (engine/adopt.py) and copies nothing, so a compressed mix stays however slow copies
     are; a mix of SM-only slots (cheap SM-only hits here) is charged its copies."""
-    from zipmoe.runtime.plan.default import default_plan, read_routing, record_usage, stats_path
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
+    from zipmoe.runtime.plan.default import default_plan, read_routing, stats_path
 
     path, cid, layout = container
     E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
-    budget = layout.min_budget(1)
-    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
-        budget += 4096
+    budget = _default_budget(layout)
     hot = list(range(max(k + 1, (E * 5) // 8)))  # more experts than full tensors hold, fewer than compressed ones
-    routing = []
-    for step in range(160):
-        for l in layout.sparse_layers:
-            routing.append((l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)}))))
+    routing = _cycling_routing(layout, hot)
     uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
 
     def fitted(admit_bw, tmp, per=None):
         per = per or {"full": 0.0, "compressed": 0.0002, "sm_only": 0.008, "e_only": 0.009, "none": 0.010}
-        prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
-                "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
-                "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
-                          "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
-                "step_costs": {"resident_step_s": 0.01, "graphs": False,
-                               "per_expert_s": per}}
-        save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
-        record_usage(tmp, cid, uses, calls=160, routing=routing)
-        return default_plan(path, budget, "cpu", 1, tmp, readers=4)
+        return default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp, per, uses, routing, admit_bw), readers=4)
 
     assert read_routing(stats_path(tmp_path / "a", cid), cid) == []
     plan, line = fitted(1e15, tmp_path / "a")  # copies for free
@@ -692,28 +715,17 @@ def test_default_plan_replays_compressed_only_when_the_rank_model_keeps_full_ten
     compressed only within ``REPLAY_COMPRESSED_WITHIN``, the default replays compressed only on
     the recorded routing, as `zipmoe plan` judges every single-pool plan, under the same margin."""
     from zipmoe.runtime.plan import default as D
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
 
     path, cid, layout = container
     E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
-    budget = layout.min_budget(1)
-    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
-        budget += 4096
+    budget = _default_budget(layout)
     hot = list(range(max(k + 1, (E * 5) // 8)))
-    routing = [(l, tuple(sorted({hot[(step * k + j) % len(hot)] for j in range(k)})))
-               for step in range(160) for l in layout.sparse_layers]
+    routing = _cycling_routing(layout, hot)
     uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
 
     def fitted(compressed_s, tmp):
         per = {"full": 0.0, "compressed": compressed_s, "sm_only": 0.009, "e_only": 0.0095, "none": 0.010}
-        prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
-                "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
-                "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
-                          "compute_s_per_expert": 1e-4, "admit_bw": 1e15},
-                "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
-        save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
-        D.record_usage(tmp, cid, uses, calls=160, routing=routing)
-        return D.default_plan(path, budget, "cpu", 1, tmp, readers=4)
+        return D.default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp, per, uses, routing), readers=4)
 
     # compressed only about 0.5% ahead in the rank model (full tensors only fitted), 3.7% on the replay: chosen
     plan, line = fitted(0.0033, tmp_path / "a")
@@ -745,25 +757,14 @@ def test_default_plan_chooses_among_the_mix_and_the_single_pools_as_zipmoe_plan_
     given (the mix 0.90x full tensors only, compressed only 0.905x or 0.95x), compressed only
     within 1% of the mix is chosen for its one pool, and 5% behind it is not."""
     from zipmoe.runtime.plan import default as D, planner as P
-    from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
 
     path, cid, layout = container
-    E, k, n = layout.num_experts, layout.top_k, len(layout.decode_layers)
-    budget = layout.min_budget(1)
-    while layout.pool_bytes(budget, 1) < 2.5 * layout.slot_bytes["full"] * n:  # 2.5 full tensors a layer
-        budget += 4096
+    E, k = layout.num_experts, layout.top_k
+    budget = _default_budget(layout)
     hot = list(range(max(k + 1, (E * 5) // 8)))  # expert 0 in every step, the others in turn: full and compressed slots fit
-    routing = [(l, tuple(sorted({0} | {hot[1 + (step * (k - 1) + j) % (len(hot) - 1)] for j in range(k - 1)})))
-               for step in range(160) for l in layout.sparse_layers]
     uses = {str(l): {e: (160 if e == 0 else 20) for e in hot} for l in layout.sparse_layers}
     per = {"full": 0.0, "compressed": 0.0012, "sm_only": 0.008, "e_only": 0.009, "none": 0.010}
-    prof = {"format": PROFILE_FORMAT, "revision": PROFILE_REVISION, "machine": machine_info("cpu"), "container": container_info(path, cid),
-            "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
-            "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
-                      "compute_s_per_expert": 1e-4, "admit_bw": 1e15},
-            "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
-    save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
-    D.record_usage(tmp_path, cid, uses, calls=160, routing=routing)
+    _cache_for_default(container, tmp_path, per, uses, _cycling_routing(layout, hot, keep=0))
     # the replay's verdicts, by the pools a plan has (the rank model's fit, before the replay, is its own)
     share = {("full",): 1.0, ("compressed", "full"): 0.90, ("compressed",): compressed_only}
     judged = P.Planner.judged_s
