@@ -18,12 +18,7 @@ costs, which is exact on the layers the passes serve (every expert in one state)
 
 from __future__ import annotations
 
-import numpy as np
-
-__all__ = ["batch_stream", "measure_batch", "step_costs_at", "ensure_batch", "BATCH_PASSES"]
-
-#: the passes :func:`measure_batch` serves at the batch (``full_host`` only where graphs exist)
-BATCH_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
+__all__ = ["batch_stream", "measure_batch", "step_costs_at", "ensure_batch"]
 
 
 def batch_stream(tok, config: dict, rows: int, steps: int, prompt_tokens: int = 16):
@@ -87,7 +82,7 @@ def step_costs_at(profile: dict, batch: int) -> dict | None:
            "experts_per_layer": float(got.get("experts_per_layer") or 0.0)}
     fit = (base or {}).get("served_fit")
     if fit and "none" in out["per_expert_s"]:
-        out["per_expert_s"]["none"] = float(np.float64(out["per_expert_s"]["none"]) * float(fit["scale"]))
+        out["per_expert_s"]["none"] *= float(fit["scale"])
         out["served_scale"] = float(fit["scale"])
     return out
 
@@ -100,9 +95,11 @@ def ensure_batch(profile: dict, batch: int, path, layout, *, device: str = "cpu"
     key = str(int(batch))
     if int(batch) <= 1 or ((profile.get("batches") or {}).get(key) or {}).get("step_costs"):
         return profile, False
+    from zipmoe.errors import ServingError
+
     got = measure_batch(path, layout, int(batch), device=device, workers=workers, load_options=load_options)
     if not got.get("step_costs"):
-        raise RuntimeError(f"the passes at batch {batch} gave no costs (no resident or miss pass)")
+        raise ServingError(f"the passes at batch {batch} gave no costs (no resident or miss pass)")
     profile = dict(profile, batches=dict(profile.get("batches") or {}, **{key: got}))
     if save_to is not None:
         from zipmoe.runtime.plan.profile import save_profile

@@ -262,8 +262,10 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
         pools = {k[:-len(" only")]: alt["slots"] for k, alt in plan["alternatives"].items()
                  if k.endswith(" only") and k != "full only"}
         chosen, _halves, _fastest = planner.leave_full([mix, *pools.values()], only)
-        pool = next((p for p, sl in pools.items() if chosen is not None and dict(sl) == dict(chosen)), None)
-        if pool is not None and dict(chosen) != dict(mix):
+        pool = None
+        if chosen is not None and dict(chosen) != dict(mix):
+            pool = next(p for p, sl in pools.items() if dict(sl) == dict(chosen))
+        if pool is not None:
             from zipmoe.runtime.plan.planner import make_plan
 
             alt = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached", only=pool)

@@ -592,4 +592,3 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             out["serving_error"] = f"{type(exc).__name__}: {exc}"
         out["window"] = rt.window
         return out
-
