@@ -142,10 +142,10 @@ def plan(
     if busy and not as_json:
         err.print(busy, style="yellow", markup=False, highlight=False)
     if batch > 1:  # the states' costs served at the batch, measured once and kept in the profile
-        from zipmoe.runtime.plan.batched import ensure_batch
+        from zipmoe.runtime.plan.batched import ensure_batch, has_batch
         from zipmoe.runtime.plan.profile import default_profile_path
 
-        if not as_json and not ((prof.get("batches") or {}).get(str(batch)) or {}).get("step_costs"):
+        if not as_json and not has_batch(prof, batch):
             err.print(f"[dim]serving each cache state at batch {batch} (once; kept in the profile)...[/dim]")
         keep = profile if profile is not None else default_profile_path(cid, dev, layout.dtype, cache_dir=cache_dir())
         prof, _ = ensure_batch(prof, batch, path, layout, device=dev, workers=workers,

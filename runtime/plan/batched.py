@@ -18,7 +18,7 @@ costs, which is exact on the layers the passes serve (every expert in one state)
 
 from __future__ import annotations
 
-__all__ = ["batch_stream", "measure_batch", "step_costs_at", "ensure_batch"]
+__all__ = ["batch_stream", "measure_batch", "step_costs_at", "has_batch", "ensure_batch"]
 
 
 def batch_stream(tok, config: dict, rows: int, steps: int, prompt_tokens: int = 16):
@@ -87,14 +87,19 @@ def step_costs_at(profile: dict, batch: int) -> dict | None:
     return out
 
 
+def has_batch(profile: dict, batch: int) -> bool:
+    """Whether ``profile`` holds costs served at ``batch`` rows (batch 1: its own)."""
+    return int(batch) <= 1 or bool((((profile or {}).get("batches") or {}).get(str(int(batch))) or {}).get("step_costs"))
+
+
 def ensure_batch(profile: dict, batch: int, path, layout, *, device: str = "cpu", workers: int = 1,
                  load_options: dict | None = None, save_to=None) -> tuple[dict, bool]:
     """``(profile, measured)``: the profile with its costs served at ``batch`` rows, measured
     (:func:`measure_batch`) and written back to ``save_to`` (the profile's file) when it has none
     yet; a profile measured again starts without them. Batch 1 needs nothing."""
-    key = str(int(batch))
-    if int(batch) <= 1 or ((profile.get("batches") or {}).get(key) or {}).get("step_costs"):
+    if has_batch(profile, batch):
         return profile, False
+    key = str(int(batch))
     from zipmoe.errors import ServingError
 
     got = measure_batch(path, layout, int(batch), device=device, workers=workers, load_options=load_options)

@@ -93,14 +93,20 @@ def layer_calls_from_steps(steps, prefill_steps: int = 1) -> list[LayerCall]:
     return out
 
 
-def split_by_prompt(calls: list[LayerCall], parts: int = 2) -> list[list[LayerCall]]:
-    """``calls`` cut into ``parts`` runs of whole prompts (a prompt: its prefill calls and the decode
-    calls after them), as equal in prompts as they divide; fewer parts when there are fewer prompts."""
+def _prompts(calls: list[LayerCall]) -> list[list[LayerCall]]:
+    """``calls`` cut into prompts: a prompt is its prefill calls and the decode calls after them."""
     prompts: list[list[LayerCall]] = []
     for c in calls:
         if not prompts or (not c.decode and prompts[-1][-1].decode):
             prompts.append([])
         prompts[-1].append(c)
+    return prompts
+
+
+def split_by_prompt(calls: list[LayerCall], parts: int = 2) -> list[list[LayerCall]]:
+    """``calls`` cut into ``parts`` runs of whole prompts (a prompt: its prefill calls and the decode
+    calls after them), as equal in prompts as they divide; fewer parts when there are fewer prompts."""
+    prompts = _prompts(calls)
     parts = max(1, min(int(parts), len(prompts)))
     out = []
     for i in range(parts):
@@ -130,7 +136,7 @@ def batched_calls(calls: list[LayerCall], batch: int) -> list[LayerCall]:
     batch = int(batch)
     if batch <= 1:
         return list(calls)
-    prompts = split_by_prompt(calls, parts=len(calls) or 1)
+    prompts = _prompts(calls)
     out: list[LayerCall] = []
     for g in range(0, len(prompts), batch):
         rows = [_steps(p) for p in prompts[g:g + batch]]
