@@ -69,7 +69,7 @@ decode-ab|the resident decode step (qwen1.5-moe-a2.7b shape, LAYERS=24, AB_BATCH
 decode-gpu|decode_gpu.py, qwen1.5-moe-a2.7b shapes (LAYERS=24), every expert resident, batch 1,4 (gpu-tests beside the build); zipmoe against zipmoe-basic at 8G cold (§13)
 headline|qwen1.5-moe-a2.7b at 8G and 16G, batch 1,4: uncompressed, accelerate, zipmoe with plan; planner checks (§9; ~22 min: start, then watch)
 headline-olmoe|olmoe-1b-7b at 4G then 8G (BUDGETS): zipmoe with plan, uncompressed, accelerate at the first, planner check (§9)
-cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not; CACHE_UNC=late: after every zstd run, from a second synth, at CACHE_UNC_BUDGETS, for the whole model), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G (CACHE_B4_BUDGETS, CACHE_B4_ENGINES; CACHE_B4=0: not; CACHE_B4_PLAN=batch: the plan for four rows, zipmoe plan --batch 4), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2) or N alternating rounds of the batch-1 engines (CACHE_BENCH_ROUNDS=N or CACHE_BENCH_ROUNDS_<budget>, paired); single-pool plans beside the chosen one (CACHE_SINGLES=\"sm_only compressed\", at CACHE_SINGLES_BUDGETS; CACHE_SINGLES_ENGINES=\"zipmoe zipmoe-basic\" CACHE_SINGLES_ROUNDS=N pairs each with full tensors only); a plan file at one budget (CACHE_MIX_PLAN=BUDGET:FILE, CACHE_MIX_TOKENS); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
+cache|qwen1.5-moe-a2.7b shapes, 8 of 24 layers (SYNTH_LAYERS), the non-loop workload (corpus, 128 tokens), one calibration: explicit plan, full only, default split, default plan (CACHE_ENGINES) at 3.5G, 4.75G and 6G, uncompressed at 6G (CACHE_UNC=0: not; CACHE_UNC=late: after every zstd run, from a second synth, at CACHE_UNC_BUDGETS, for the whole model), batch 1, each with the plan's prediction and the cost model on its own routing; plan and full only at batch 4 at 6G, right after that budget's batch 1 (CACHE_B4_BUDGETS, CACHE_B4_ENGINES, CACHE_B4_TOKENS; CACHE_B4=0: not; CACHE_B4_PLAN=batch: the plan for four rows, zipmoe plan --batch 4), 512 tokens (CACHE_LONG=1, at CACHE_LONG_BUDGETS), a second round (CACHE_ROUNDS=2) or N alternating rounds of the batch-1 engines (CACHE_BENCH_ROUNDS=N or CACHE_BENCH_ROUNDS_<budget>, paired); single-pool plans beside the chosen one (CACHE_SINGLES=\"sm_only compressed\", at CACHE_SINGLES_BUDGETS; CACHE_SINGLES_ENGINES=\"zipmoe zipmoe-basic\" CACHE_SINGLES_ROUNDS=N pairs each with full tensors only); a plan file at one budget (CACHE_MIX_PLAN=BUDGET:FILE, CACHE_MIX_TOKENS); the host work per fetched tensor before (.before/, carried) and after (CACHE_HOST_AB=0: not); gpu-tests (§22, §22c, §22d: about 20 min)
 planner|qwen 8G: the plan against full tensors only in both orders, planner check; then planner-olmoe (§7)
 planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked against full tensors only (§7, ~4.5 min)
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
@@ -261,6 +261,25 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
     engines_of() { engines=(); local e; for e in $1; do engines+=(--engine "$e"); done; }  # "NAME ..." -> engines=(--engine NAME ...)
     common=(--workload corpus --cold --device "${DEVICE:-cuda}" --profile "$W/qwen-profile.json" --work-dir "$W/qwen-work"
             --time-limit "$tl" --json "$W/qwen.json" --merge --runs "$RUNS")
+    # batch 4 at budget $1: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest;
+    # CACHE_B4=0: none), run right after that budget's batch-1 engines, so a sitting cut short loses
+    # the later budgets first; CACHE_B4_TOKENS new tokens a row (default TOKENS), so that both engines
+    # finish the same steps within CACHE_TIME_LIMIT. CACHE_B4_PLAN=batch: the plan for four rows (`zipmoe plan --batch 4`:
+    # each state served at four rows once, kept in the profile; the calibration replayed as four rows
+    # call the layers) instead of the batch-1 plan
+    cache_b4() {
+        local b=$1 b4plan="$W/qwen-plan-$1.json"
+        [ "${CACHE_B4:-1}" != 0 ] && [[ " ${CACHE_B4_BUDGETS:-$last} " == *" $b "* ]] || return 0
+        if [ "${CACHE_B4_PLAN:-}" = batch ]; then
+            b4plan="$W/qwen-plan-$b-b4.json"
+            stage "plan-$b-b4" 300 zipmoe plan "$W/qwen.zmoe" --budget "$b" --trace "$W/qwen-calib.jsonl" \
+                --profile "$W/qwen-profile.json" --device "${DEVICE:-cuda}" --batch 4 -o "$b4plan"
+        fi
+        engines_of "${CACHE_B4_ENGINES:-zipmoe zipmoe-basic}"
+        stage "bench-$b-b4" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$tl" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
+            --plan "$b4plan" --budget "$b" --batch 4 --new-tokens "${CACHE_B4_TOKENS:-$TOKENS}" "${common[@]}" $BENCH_EXTRA \
+            --json "$W/qwen-b4.json"
+    }
     # every engine on the same teacher-forced token stream, cold, one process each: the plan, full
     # tensors only, the 60/40 split, the default plan; uncompressed at the largest budget
     for b in $BUDGETS; do
@@ -276,6 +295,7 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
         stage "bench-$b" "${BENCH_LIMIT:-$(cache_stage_limit "$n" "$tl" 420)}" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
             --plan "$W/qwen-plan-$b.json" --budget "$b" --batch 1 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
             --rounds "$rounds"
+        cache_b4 "$b"
     done
     stage qwen-report 60 zipmoe bench --report "$W/qwen.json"
     # single-pool plans written from the same calibration (`zipmoe plan --only POOL`; CACHE_SINGLES="sm_only
@@ -296,24 +316,6 @@ suite_cache() {  # the cache on a workload that is not a loop: qwen1.5-moe-a2.7b
                 --json "$W/qwen-only-$b-$p.json" --work-dir "$W/qwen-work-$p"  # its worker logs kept apart (all are engine zipmoe)
         done
     done
-    # batch 4: the plan and full tensors only (CACHE_B4_BUDGETS, default the largest; CACHE_B4=0: none).
-    # CACHE_B4_PLAN=batch: the plan for four rows (`zipmoe plan --batch 4`: each state served at four
-    # rows once, kept in the profile; the calibration replayed as four rows call the layers) instead
-    # of the batch-1 plan
-    if [ "${CACHE_B4:-1}" != 0 ]; then
-        for b in ${CACHE_B4_BUDGETS:-$last}; do
-            local b4plan="$W/qwen-plan-$b.json"
-            if [ "${CACHE_B4_PLAN:-}" = batch ]; then
-                b4plan="$W/qwen-plan-$b-b4.json"
-                stage "plan-$b-b4" 300 zipmoe plan "$W/qwen.zmoe" --budget "$b" --trace "$W/qwen-calib.jsonl" \
-                    --profile "$W/qwen-profile.json" --device "${DEVICE:-cuda}" --batch 4 -o "$b4plan"
-            fi
-            engines_of "${CACHE_B4_ENGINES:-zipmoe zipmoe-basic}"
-            stage "bench-$b-b4" "$(cache_stage_limit $(( ${#engines[@]} / 2 )) "$tl" 240)" zipmoe bench "$W/qwen.zmoe" "${engines[@]}" \
-                --plan "$b4plan" --budget "$b" --batch 4 --new-tokens "$TOKENS" "${common[@]}" $BENCH_EXTRA \
-                --json "$W/qwen-b4.json"
-        done
-    fi
     # 512 new tokens: the plan and full tensors only (CACHE_LONG=1; CACHE_LONG_ENGINES), at CACHE_LONG_BUDGETS (default the largest)
     if [ "${CACHE_LONG:-0}" != 0 ]; then
         local long=$(( 2 * tl > 150 ? 2 * tl : 150 ))  # s per 512-token run
