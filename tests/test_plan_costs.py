@@ -577,9 +577,11 @@ def _cycling_routing(layout, hot: list, keep: int | None = None) -> list:
             for step in range(160) for l in layout.sparse_layers]
 
 
-def _cache_for_default(container, tmp, per: dict, uses: dict, routing: list, admit_bw: float = 1e15):
+def _cache_for_default(container, tmp, per: dict, uses: dict, routing: list, admit_bw: float = 1e15,
+                       batches: dict | None = None):
     """A cache folder holding what the default plan fits from: a profile of these per-state costs
-    (this machine and file, 4 readers) and the container's recorded usage and routing."""
+    (this machine and file, 4 readers; ``batches``: its costs served at N rows) and the
+    container's recorded usage and routing."""
     from zipmoe.runtime.plan.default import record_usage
     from zipmoe.runtime.plan.profile import PROFILE_FORMAT, PROFILE_REVISION, container_info, default_profile_path, machine_info, save_profile
 
@@ -588,7 +590,8 @@ def _cache_for_default(container, tmp, per: dict, uses: dict, routing: list, adm
             "dtype": "bfloat16", "disk": {"method": "O_DIRECT", "readers": 4}, "decomp": {"codec": "zstd"},
             "costs": {"disk_bw": 1e9, "disk_latency": 1e-4, "decomp_bw_per_worker": 1e9, "merge_bw": 1e10,
                       "compute_s_per_expert": 1e-4, "admit_bw": admit_bw},
-            "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per}}
+            "step_costs": {"resident_step_s": 0.01, "graphs": False, "per_expert_s": per},
+            **({"batches": batches} if batches else {})}
     save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp))
     record_usage(tmp, cid, uses, calls=160, routing=routing)
     return tmp
@@ -784,3 +787,48 @@ def test_default_plan_chooses_among_the_mix_and_the_single_pools_as_zipmoe_plan_
     else:
         assert plan["pools"]["full"] > 0 and plan["pools"]["compressed"] > 0, line
         assert "the mix 18.0 ms, full tensors only 20.0 ms:" in line and "compressed only" not in line, line
+
+
+def test_default_plan_for_several_rows_is_zipmoe_plan_batchs_choice_or_full_tensors_only(container, tmp_path):
+    """``bench --engine zipmoe-default --batch 4`` fits its default for four rows: without costs
+    served at four rows in the cached profile, full tensors only and the line names the command
+    that measures them (the batch-1 fit lost 4% at four rows on the CPU box, docs/benchmarks.md
+    §22r); with them, `zipmoe plan --batch 4`'s choice (the recorded routing replayed as four rows
+    call the layers), which follows the four-row costs, not the one-row ones."""
+    from zipmoe.runtime.bench.engines import rows_of
+    from zipmoe.runtime.plan.default import default_plan
+
+    path, cid, layout = container
+    E, k = layout.num_experts, layout.top_k
+    budget = _default_budget(layout)
+    hot = list(range(max(k + 1, (E * 5) // 8)))
+    routing = _cycling_routing(layout, hot)
+    uses = {str(l): {e: 10 for e in hot} for l in layout.sparse_layers}
+    per = {"full": 0.0, "compressed": 0.0002, "sm_only": 0.008, "e_only": 0.009, "none": 0.010}
+
+    def b4(compressed_s):
+        return {"4": {"experts_per_layer": 2.0 * k, "step_costs": {
+            "resident_step_s": 0.02, "graphs": False,
+            "per_expert_s": {"full": 0.0, "compressed": compressed_s, "sm_only": 0.009, "e_only": 0.0095, "none": 0.010}}}}
+
+    one, line1 = default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp_path / "a", per, uses, routing), readers=4)
+    assert one["pools"]["compressed"] > 0, line1  # one row: compressed hits cheap, a compressed pool
+    plan, line = default_plan(path, budget, "cpu", 1, tmp_path / "a", readers=4, batch=4)
+    assert plan["pools"]["compressed"] == 0 and plan["pools"]["full"] > 0, line
+    assert line.startswith("default plan: full tensors only for 4 rows") and f"zipmoe plan {path.name} --profile-only --batch 4" in line, line
+    # compressed hits as cheap at four rows: the four-row plan keeps a compressed pool
+    plan, line = default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp_path / "b", per, uses, routing,
+                                                                        batches=b4(0.0002)), readers=4, batch=4)
+    assert plan["batch"] == 4 and plan["pools"]["compressed"] > 0 and plan["source"] == "default", line
+    assert f"fitted at load for 4 rows" in line and "replayed as 4 rows" in line and "per step of 4 tokens" in line, line
+    # a compressed hit at four rows nearly a miss (the CPU box's cores, §22t): full tensors only
+    plan, line = default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp_path / "c", per, uses, routing,
+                                                                        batches=b4(0.0095)), readers=4, batch=4)
+    assert plan["batch"] == 4 and plan["pools"] == plan["alternatives"]["full only"]["pools"], line
+    # too little routing recorded to replay as four rows: full tensors only, said
+    plan, line = default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp_path / "d", per, uses, routing[:40],
+                                                                        batches=b4(0.0002)), readers=4, batch=4)
+    assert plan["pools"]["compressed"] == 0 and "recorded decode layer calls to replay as 4 rows" in line, line
+    # bench fits for the cases' batch when they share one
+    assert rows_of({"cases": [{"batch": 4}, {"batch": 4}]}) == 4
+    assert rows_of({"cases": [{"batch": 1}, {"batch": 4}]}) == 1 and rows_of({}) == 1

@@ -205,6 +205,13 @@ def hf_max_memory(budget: int, device: str) -> dict:
     return {"cpu": int(budget)}
 
 
+def rows_of(spec: dict) -> int:
+    """The rows the default plan is fitted for: the cases' batch when every case has the same one,
+    else 1 (``bench --batch 1,4`` loads once for both)."""
+    rows = {int(c.get("batch") or 1) for c in spec.get("cases") or []}
+    return rows.pop() if len(rows) == 1 else 1
+
+
 def load_engine(spec: dict):
     """Load the engine described by the worker spec; returns (model, runtime or None, info dict)."""
     name = spec["engine"]
@@ -240,7 +247,8 @@ def load_engine(spec: dict):
             from zipmoe.runtime.plan.default import default_plan
 
             plan, line = default_plan(path, int(spec["budget"]), device, decode_workers(), spec.get("cache_dir"),
-                                      readers=spec.get("readers"), profile_path=spec.get("profile"), dtype=BENCH_DTYPE)
+                                      readers=spec.get("readers"), profile_path=spec.get("profile"), dtype=BENCH_DTYPE,
+                                      batch=rows_of(spec))
         else:
             plan = engine_plan(name, spec.get("plan"), container_id(path) if ENGINE_PLAN[name] == "full_only" else None)
         model, _tok = fn(path, budget=int(spec["budget"]), device=device, plan=plan, **kwargs)

@@ -137,10 +137,12 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
 
 
 def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, readers: int | None = None,
-                 dtype: str = "bfloat16", profile_path=None) -> tuple[dict | None, str]:
+                 dtype: str = "bfloat16", profile_path=None, batch: int = 1) -> tuple[dict | None, str]:
     """``(plan or None, one line saying what it is)``. None: the runtime's own split is right
     (every expert fits as a full tensor) or the container cannot be planned. ``profile_path``: a
-    profile file to use instead of the cache's (bench's ``--profile``), when it fits."""
+    profile file to use instead of the cache's (bench's ``--profile``), when it fits. ``batch``:
+    the rows served together (``bench --batch N``); more than one is fitted by
+    :func:`_batch_default`."""
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.errors import ZipmoeError
     from zipmoe.runtime.plan.layout import container_layout
@@ -169,6 +171,9 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return full_only_plan(layout, budget, workers), (warn + "\n" + line) if warn else line
     stats = from_counts(counts, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
                         layers=layout.sparse_layers, calls=calls)
+    if int(batch) > 1:
+        plan, line = _batch_default(path, layout, budget, stats, prof, workers, device, recent, int(batch))
+        return plan, (warn + "\n" + line) if warn else line
     try:
         plan = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached")
     except ZipmoeError as exc:
@@ -283,3 +288,46 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
         return plan, judged
     full["expected_tpot_s"] = t_full
     return full, judged + f" (it must be {pct(margin_for(mix))}% faster): full tensors only"
+
+
+def _batch_default(path, layout, budget: int, stats, prof: dict, workers: int, device: str, recent: list,
+                   batch: int) -> tuple[dict, str]:
+    """The default plan for ``batch`` rows served together: ``zipmoe plan --batch N``'s choice
+    (:func:`make_plan` with ``batch``: the costs served at N rows, the recorded routing replayed as
+    N rows call the layers, the same rule for leaving full tensors) when the profile holds costs
+    served at N rows and enough routing is recorded; else **full tensors only**, without
+    measuring at load. A plan fitted for one row is not used for several: on the CPU box at 500M
+    the batch-1 plan (compressed only) lost 4% to full tensors only at four rows, where the plan
+    for four rows kept full tensors (docs/benchmarks.md §22r, §22t); the rows' union of experts
+    changes what each pool costs."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.errors import ZipmoeError
+    from zipmoe.runtime.plan.batched import has_batch
+    from zipmoe.runtime.plan.layout import expert_tensors
+    from zipmoe.runtime.plan.planner import make_plan
+    from zipmoe.runtime.plan.replay import LayerCall
+
+    full = full_only_plan(layout, budget, workers)
+    rows = f"for {batch} rows"
+    if not has_batch(prof, batch):
+        return full, (f"default plan: full tensors only {rows} (the cached profile has no costs served at {batch} rows: "
+                      f"`zipmoe plan {Path(path).name} --profile-only --batch {batch}` measures them once, then the pools "
+                      f"are fitted at load)")
+    decode = _decode_calls(recent, layout)
+    if decode < MIN_REPLAY_DECODE_CALLS:
+        return full, (f"default plan: full tensors only {rows} ({decode} recorded decode layer calls to replay as "
+                      f"{batch} rows call the layers; at least {MIN_REPLAY_DECODE_CALLS})")
+    sparse = set(layout.sparse_layers)
+    replayed = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
+    with ContainerReader(path) as reader:
+        ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
+    try:
+        plan = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached",
+                         replay=(replayed, ets), batch=batch)
+    except (ZipmoeError, ValueError) as exc:
+        return full, f"default plan: full tensors only {rows} ({exc})"
+    pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
+    plan["source"] = "default"
+    return plan, (f"default plan: fitted at load {rows} from the costs the cached profile served at {batch} rows and "
+                  f"{decode} recorded decode layer calls of this file replayed as {batch} rows: {pools or 'no pools'}, "
+                  f"predicted {1e3 * plan['expected_tpot_s']:.1f} ms per step of {batch} tokens")
