@@ -484,6 +484,18 @@ def test_served_pass_fits_the_miss_cost_so_the_model_charges_the_run_what_it_too
     json.dumps(out)
 
 
+def test_a_full_pool_served_pass_refuses_a_runtime_with_device_slots():
+    """``Runtime._new_cache`` hooks the device slots to the cache it makes, whose admissions would
+    then overwrite the tensors the runtime's own cache keeps in them: refused, not corrupted."""
+    from types import SimpleNamespace
+
+    from zipmoe.runtime.plan.passes import served_pass
+
+    rt = SimpleNamespace(slots=object(), _new_cache=lambda caps: pytest.fail("a cache was made"))
+    with pytest.raises(ValueError, match="without device slots"):
+        served_pass(None, rt, [1], [2], 1 << 20)
+
+
 def test_beta_is_fitted_to_a_served_run_of_one_compressed_pool(container, served_profile):
     """With β measured, the profile serves the stream from an empty cache of one compressed pool at
     capacity (hits and misses mixed, no full hits) and fits β so that the cost model, charged for

@@ -301,6 +301,10 @@ def served_pass(model, rt, prompt, forced, capacity: int, pool: str = "full") ->
     from zipmoe.runtime.engine.cache import ExpertCache
 
     routing: list = []
+    if pool == "full" and rt.slots is not None:
+        # its cache would take the device slots over (``Runtime._new_cache`` attaches them) and
+        # write its admissions into them, under the tensors the runtime's own cache holds there
+        raise ValueError("a full-pool served pass needs a runtime without device slots (measure_runtime runs it only without graphs)")
     if pool == "full":
         cache = rt._new_cache({"full": int(capacity)})
     else:
