@@ -282,6 +282,33 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     assert exc.value.code == 0, err.err[-2000:]
     run = json.loads(out2.read_text())["results"][0]["runs"][0]
     assert run["batch"] == 2 and "predicted_tpot_s" not in run and "predicts batch 1" in run["prediction_note"]
+    assert "model_tpot_s" not in run and "no costs served at batch 2" in run["prediction_note"]
+    # a plan made for two rows, from the profile's costs served at two rows (`zipmoe plan --batch 2`):
+    # its prediction and the cost model at two rows are set against the step of two rows (on an H100
+    # at 8G, 6 Dec, a batch-4 plan's runs had neither)
+    b2 = {"resident_step_s": 0.006, "graphs": False,
+          "per_expert_s": {"full": 0.0, "compressed": 0.0005, "sm_only": 0.0006, "e_only": 0.0007, "none": 0.0009}}
+    pf.write_text(json.dumps(dict(prof, batches={"2": {"step_costs": b2, "experts_per_layer": 3.0}})))
+    plan2 = tmp_path / "plan2.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(zm), "--budget", "2M", "--trace", str(tr), "--profile", str(pf), "--workers", "1", "--batch", "2",
+              "-o", str(plan2)])
+    assert exc.value.code in (0, None), capsys.readouterr().err[-2000:]
+    p2 = json.loads(plan2.read_text())
+    assert p2["batch"] == 2
+    out3 = tmp_path / "out3.json"
+    argv3 = list(argv2)
+    argv3[argv3.index("--plan") + 1] = str(plan2)
+    argv3[argv3.index("--json") + 1] = str(out3)
+    with pytest.raises(SystemExit) as exc:
+        main(argv3)
+    err = capsys.readouterr()
+    assert exc.value.code == 0, err.err[-2000:]
+    run = json.loads(out3.read_text())["results"][0]["runs"][0]
+    assert run["predicted_tpot_s"] == pytest.approx(p2["expected_tpot_s"]) and "prediction_note" not in run, run.get("prediction_note")
+    assert run["model_tpot_s"] >= 0.006  # the resident step of two rows, and the states' costs at two rows
+    assert "per step of N rows" in err.out
+    pf.write_text(json.dumps(prof))
     # the same engine and budget at another batch in the same work dir keeps the first bench's runs file
     files = sorted(p.name for p in (tmp_path / "w").glob("runs-zipmoe-*.jsonl"))
     assert files == ["runs-zipmoe-2097152-b1-n6.jsonl", "runs-zipmoe-2097152-b2-n6.jsonl",

@@ -55,7 +55,8 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     if not compact and bench_report.render_predictions(doc.get("summary", []), (doc.get("model") or {}).get("top_k"), console=con):
         notes.append("predicted: the plan's own prediction (plan.json, made from the calibration before the run; zipmoe-basic: its "
                      "'full only' alternative); model: the profile's served state costs charged for this run's own routing "
-                     "replayed through a cache with its pools (the cost model alone, batch 1); × = measured / predicted; "
+                     "replayed through a cache with its pools (the cost model alone); at batch N both per step of N rows, from a "
+                     "plan made for N rows (zipmoe plan --batch N) and the profile's costs served at N rows; × = measured / predicted; "
                      "experts per decode layer call in each state (measured: the run's counters, prefill included)")
     if bench_report.render_paired(doc.get("paired") or [], console=con):
         notes.append("round by round: each engine's median TPOT in a round over the first engine's in the same round "

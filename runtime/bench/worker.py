@@ -464,35 +464,47 @@ def predictions(runtime, spec: dict, steps, before: list | None = None, batch: i
     ``predicted_tpot_s`` (and ``predicted_hits``), the prediction of the plan the engine loaded
     (``--plan``'s, for zipmoe-basic its ``full only`` alternative, zipmoe-default's fitted one);
     ``model_tpot_s``, ``model_hits``: the profile's served state costs charged for this run's own
-    routing replayed through a cache with its pools (runtime/plan/replay.py ``model_run``; batch
-    1), after ``before`` (the layer calls earlier runs of this process served: the cache the run
-    started with). Nothing where there is no plan, profile or routing; never fails the run.
-    The planner predicts one row's step: at ``batch`` > 1 there is no prediction to compare
-    (a note says so), rather than a batch-1 figure set against a batch-``batch`` step."""
+    routing replayed through a cache with its pools (runtime/plan/replay.py ``model_run``), after
+    ``before`` (the layer calls earlier runs of this process served: the cache the run started
+    with). Nothing where there is no plan, profile or routing; never fails the run.
+    At ``batch`` rows both are per step of ``batch`` tokens: the plan's prediction only when it
+    was made for that batch (plan.json ``batch``: ``zipmoe plan --batch N``), the cost model with
+    the profile's costs served at that batch (runtime/plan/batched.py ``step_costs_at``); a
+    batch-1 figure is never set against a step of several rows (a note says what is missing)."""
     out: dict = {}
-    if int(batch) != 1:
-        return {"prediction_note": f"the plan predicts batch 1 (one row per step); this run has batch {int(batch)}"}
+    batch, notes = int(batch), []
     try:
-        plan = (getattr(runtime, "plan", None) or {}).get("raw") or {}
+        doc = (getattr(runtime, "plan", None) or {}).get("raw") or {}
+        plan = doc
         if spec.get("engine") == "zipmoe-basic" and spec.get("plan"):
             with open(spec["plan"], encoding="utf-8") as f:
-                plan = (json.load(f).get("alternatives") or {}).get("full only") or {}
-        if plan.get("expected_tpot_s"):
+                doc = json.load(f)
+            plan = (doc.get("alternatives") or {}).get("full only") or {}
+        planned = int(doc.get("batch") or 1)
+        if plan.get("expected_tpot_s") and planned == batch:
             out["predicted_tpot_s"] = float(plan["expected_tpot_s"])
             out["predicted_hits"] = plan.get("expected_hits")
             out["predicted_by"] = plan.get("hit_model") or "rank model"
+        elif plan.get("expected_tpot_s"):
+            notes.append(f"the plan predicts batch {planned}; this run has batch {batch}")
         if steps:
+            from zipmoe.runtime.plan.batched import step_costs_at
             from zipmoe.runtime.plan.default import find_profile
             from zipmoe.runtime.plan.replay import model_run
 
             dtype = str(runtime.compute_dtype).replace("torch.", "")
             prof = find_profile(runtime.path, runtime.container_id, str(runtime.device.type), dtype, spec.get("cache_dir"),
                                 profile_path=spec.get("profile"))
-            m = model_run(steps, runtime, prof, before=before) if prof is not None else None
+            sc = step_costs_at(prof, batch) if prof is not None else None
+            if prof is not None and sc is None:
+                notes.append(f"the profile has no costs served at batch {batch} (zipmoe plan --batch {batch} measures them)")
+            m = model_run(steps, runtime, dict(prof, step_costs=sc), before=before) if sc is not None else None
             if m is not None:
                 out.update(m)
     except Exception as exc:  # noqa: BLE001 - a diagnostic, never the run's failure
-        out["prediction_note"] = f"{type(exc).__name__}: {exc}"
+        notes.append(f"{type(exc).__name__}: {exc}")
+    if notes:
+        out["prediction_note"] = "; ".join(notes)
     return out
 
 
