@@ -6,9 +6,9 @@
 # default fits from by one `zipmoe plan --calibrate builtin` (the calibration keeps its routing
 # there, as chat and serve keep theirs):
 #   run.sh calib   the calibration (calib.log)
-#   run.sh pair    zipmoe-default against zipmoe-basic, 128 corpus tokens, cold, 2 rounds -> b1-500M-default$SUFFIX.json
+#   run.sh pair    zipmoe-default against zipmoe-basic, 128 corpus tokens, cold, ROUNDS (2) rounds -> b1-500M-default$SUFFIX.json
 #                  (the code of a2647cc: SUFFIX=-before, run-before.log; with the default choosing as zipmoe plan:
-#                  run.log, then SUFFIX=-r2, run-r2.log)
+#                  run.log, then SUFFIX=-r2, run-r2.log; at db3779f (7 Dec, night) SUFFIX=-r3 ROUNDS=4, run-r3.log)
 set -x
 H=$(cd "$(dirname "$0")" && pwd); R=$(cd "$H/../../.." && pwd); Z=${Z:-$R/.venv/bin/zipmoe}; D=${D:-$R/out/demo.zmoe}
 W=${W:-/tmp/defcache}; C=$H/../2026-12-07-cpu-betafit
@@ -20,7 +20,7 @@ P=$W/profile.json
 case ${1:-pair} in
   calib) $Z plan $D --budget 500M --calibrate builtin --profile $P --device cpu -o $W/plan-500M.json ;;
   pair)  $Z bench $D --engine zipmoe-default --engine zipmoe-basic --budget 500M --runs 1 --cold --workload corpus \
-           --device cpu --cgroup-slack 1G --profile $P --batch 1 --new-tokens 128 --rounds 2 --work-dir $W/w \
+           --device cpu --cgroup-slack 1G --profile $P --batch 1 --new-tokens 128 --rounds ${ROUNDS:-2} --work-dir $W/w \
            --json $H/b1-500M-default${SUFFIX:-}.json ;;
   *)     echo "usage: run.sh [calib|pair]" >&2; exit 2 ;;
 esac
