@@ -143,3 +143,32 @@ def test_plan_batch_bad_input_is_one_line(tiny_mixtral_container, tmp_path, caps
     path, _ = tiny_mixtral_container
     code, out, err = _run(["plan", path, "--budget", "1M", *extra], capsys)
     assert code == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_layer_of_misses_beside_host_pool_hits_served_at_two_rows(tiny_mixtral_container):
+    """``lone_miss_pass`` at several rows (its routing read from the rows' decode loop) with the
+    other chosen experts hits of a host pool: the pass benchmarks/results/2026-12-07-cpu-batch/
+    mixed_probe.py set beside the pure passes at four rows (docs/benchmarks.md §22t)."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.plan import passes as P
+    from zipmoe.runtime.plan.batched import batch_stream
+    from zipmoe.runtime.plan.layout import container_layout
+
+    path, _cid = tiny_mixtral_container
+    with ContainerReader(path) as r:
+        layout = container_layout(r, "auto", "cpu")
+    with P.runtime_for_passes(path, layout, "cpu", 1) as (model, tok, _budget, _want):
+        rt = model.zipmoe
+        cfg = model.config.to_dict()
+        prompt, forced = batch_stream(tok, cfg, 2, 4)
+        own = rt.cache
+        steps = P.routing_of(model, rt, prompt, forced)
+        assert len(steps) == 4 and all(len(s) == len(layout.sparse_layers) for s in steps)
+        assert max(len(ex) for s in steps for _, ex in s) > layout.top_k  # two rows' experts in one call
+        for rest in ("sm_only", "e_only"):
+            p = P.lone_miss_pass(model, rt, prompt, forced, misses=1, rest=rest)
+            assert p["rest"] == rest and p["hits"][rest] > 0 and p["hits"]["none"] > 0 and p["hits"]["full"] == 0, p
+        with pytest.raises(ValueError, match="rest"):
+            P.lone_miss_pass(model, rt, prompt, forced, misses=1, rest="full")
+        assert rt.cache is own and rt.fetcher.cache is own  # the runtime's own cache is back

@@ -223,19 +223,12 @@ def admit_pass(model, rt, prompt, forced, miss: dict | None = None) -> dict:
 
 
 def routing_of(model, rt, prompt, forced) -> list[list[tuple]]:
-    """Per decode step of the stream, its sparse layers' ``(layer, experts)`` (the teacher-forced
-    stream routes the same way every time it is fed: the logits are bit-identical)."""
-    import torch
-
-    loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1)
-    steps = []
-    with torch.inference_mode():
-        loop.prefill(prompt.to(rt.device))
-        for t in forced:
-            rt.counters.log_uses(True)
-            loop.step(torch.tensor([t], dtype=torch.long))
-            steps.append(list(rt.counters.log_uses(False) or []))
-    return steps
+    """Per decode step of the stream (one row or several), its sparse layers' ``(layer,
+    experts)`` (the teacher-forced stream routes the same way every time it is fed: the logits
+    are bit-identical)."""
+    routing: list = []
+    _run_stream(model, rt, prompt, forced, routing=routing)
+    return routing[1:]  # the prefill's calls first
 
 
 def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None = None) -> dict:
@@ -245,7 +238,8 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None 
     overlap each other as the all-miss pass's do: the latency of a lone fetch, not its share of
     a layer's throughput. ``rest="compressed"``: the others compressed hits instead (a cache of
     one compressed pool as large as the runtime's pools, holding every expert the stream uses):
-    what a compressed hit adds beside misses (:func:`state_step_costs`, β)."""
+    what a compressed hit adds beside misses (:func:`state_step_costs`, β); ``"sm_only"``,
+    ``"e_only"``: the same with that host pool."""
     from zipmoe.runtime.engine.cache import ExpertCache
 
     routing = routing_of(model, rt, prompt, forced)
@@ -261,15 +255,15 @@ def lone_miss_pass(model, rt, prompt, forced, misses: int = 1, rest: str | None 
 
     adopter = rt.fetcher.adopter
     try:
-        if rest == "compressed":
-            old = rt.swap_cache(ExpertCache({"compressed": rt.cache.capacity_bytes()}, demote=None))
+        if rest in ("compressed", "sm_only", "e_only"):
+            old = rt.swap_cache(ExpertCache({rest: rt.cache.capacity_bytes()}, demote=None))
             # the pool copies its misses (timed in admit, taken out by state_step_costs) instead of
             # keeping their read buffers: it never evicts, so adopted buffers would not come back
             # and its misses would read into fresh mappings, which serving at capacity does not
             # (CPU box: 104 of 240 misses; docs/benchmarks.md §22q)
             adopter.enabled = False
         elif rest is not None:
-            raise ValueError(f"rest: None or 'compressed', got {rest!r}")
+            raise ValueError(f"rest: None, 'compressed', 'sm_only' or 'e_only', got {rest!r}")
         _run_stream(model, rt, prompt, forced)  # warm: every expert the stream uses admitted again
         times, d = _run_stream(model, rt, prompt, forced, between_steps=drop)
     finally:
