@@ -219,6 +219,19 @@ def _decode_calls(recent: list, layout) -> int:
     return sum(1 for layer, ex in recent if layer in sparse and len(ex) <= layout.top_k)
 
 
+def _recorded_replay(path, layout, recent: list) -> tuple[list, dict]:
+    """``(layer calls, expert tensors)``: the recorded routing of the sparse layers as a replay
+    takes it (runtime/plan/replay.py), and the container's tensors it is replayed over."""
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.plan.layout import expert_tensors
+    from zipmoe.runtime.plan.replay import LayerCall
+
+    sparse = set(layout.sparse_layers)
+    calls = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
+    with ContainerReader(path) as reader:
+        return calls, expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
+
+
 def _compressed_worth_replaying(plan: dict, recent: list, layout) -> bool:
     """Whether a full-tensors-only fit should have compressed only judged on the recorded routing:
     the rank model predicts it within ``REPLAY_COMPRESSED_WITHIN`` of full tensors only and there
@@ -245,21 +258,15 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
     full tensors only, and ran 6% behind them, where `zipmoe plan` chose compressed only,
     docs/benchmarks.md §22v). ``name``: what the line calls ``plan``. Returns ``(plan, what was
     decided, for the line)``."""
-    from zipmoe.codecs.reader import ContainerReader
-    from zipmoe.runtime.plan.layout import expert_tensors
     from zipmoe.runtime.plan.planner import Planner, pct, margin_for
-    from zipmoe.runtime.plan.replay import LayerCall
 
     full = full_only_plan(layout, budget, workers)
     full["expected_tpot_s"] = float((plan.get("alternatives", {}).get("full only") or {}).get("expected_tpot_s", 0.0))
-    sparse = set(layout.sparse_layers)
     decode = _decode_calls(recent, layout)
     if decode < MIN_REPLAY_DECODE_CALLS:
         return full, (f"the mix it fitted is not used: {decode} recorded decode layer calls to judge it by "
                       f"(at least {MIN_REPLAY_DECODE_CALLS})")
-    calls = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
-    with ContainerReader(path) as reader:
-        ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
+    calls, ets = _recorded_replay(path, layout, recent)
     planner = Planner(layout, stats, prof, workers, layout.window(budget, workers))
     planner.use_replay(calls, ets, slots=str(device).startswith("cuda"))
     mix, only = plan["slots"]["per_layer"], plan["alternatives"]["full only"]["slots"]
@@ -300,12 +307,9 @@ def _batch_default(path, layout, budget: int, stats, prof: dict, workers: int, d
     the batch-1 plan (compressed only) lost 4% to full tensors only at four rows, where the plan
     for four rows kept full tensors (docs/benchmarks.md §22r, §22t); the rows' union of experts
     changes what each pool costs."""
-    from zipmoe.codecs.reader import ContainerReader
     from zipmoe.errors import ZipmoeError
     from zipmoe.runtime.plan.batched import has_batch
-    from zipmoe.runtime.plan.layout import expert_tensors
     from zipmoe.runtime.plan.planner import make_plan
-    from zipmoe.runtime.plan.replay import LayerCall
 
     full = full_only_plan(layout, budget, workers)
     rows = f"for {batch} rows"
@@ -317,13 +321,9 @@ def _batch_default(path, layout, budget: int, stats, prof: dict, workers: int, d
     if decode < MIN_REPLAY_DECODE_CALLS:
         return full, (f"default plan: full tensors only {rows} ({decode} recorded decode layer calls to replay as "
                       f"{batch} rows call the layers; at least {MIN_REPLAY_DECODE_CALLS})")
-    sparse = set(layout.sparse_layers)
-    replayed = [LayerCall(layer, tuple(sorted(ex)), len(ex) <= layout.top_k) for layer, ex in recent if layer in sparse]
-    with ContainerReader(path) as reader:
-        ets = expert_tensors(reader, compute_itemsize=layout.compute_itemsize)
     try:
         plan = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached",
-                         replay=(replayed, ets), batch=batch)
+                         replay=_recorded_replay(path, layout, recent), batch=batch)
     except (ZipmoeError, ValueError) as exc:
         return full, f"default plan: full tensors only {rows} ({exc})"
     pools = ", ".join(f"{k} {format_size(v)}" for k, v in plan["pools"].items() if v)
