@@ -305,3 +305,32 @@ def test_replay_counts_what_the_sm_only_and_e_only_pools_copy_not_what_the_compr
     assert res.admitted.tolist() == [0, 2048 + 1024, 0, 0, 2048 + 1024, 2048 + 1024]
     assert res.counts[:, R.STATES.index("compressed")].tolist() == [0, 0, 1, 0, 0, 0]
     assert res.counts[:, R.STATES.index("sm_only")].tolist() == [0, 0, 0, 1, 0, 0]
+
+
+def test_the_judge_replays_the_routing_once_and_reads_the_same_cold_figures(monkeypatch):
+    """The judge (``Planner.judged_s``, the halves) reads only the cold replay: ``evaluate(warm=False)``
+    replays the calls once instead of twice (on the default plan's fit at load, the replays were
+    nearly all its time), with the same cold figures as the replay that goes on warm."""
+    from zipmoe.runtime.plan.model import StepTable
+
+    calls = _cycle(lambda p: [p % 5, 5 + p % 3, 8, 9, 10], 6)
+    table = StepTable.of(2, _cheap_compressed_profile()["step_costs"])
+    seen = []
+    real = R.replay
+    monkeypatch.setattr(R, "replay", lambda c, *a, **k: seen.append(len(c)) or real(c, *a, **k))
+    for pools in ({"full": 6 * 6144}, {"compressed": 8 * 4000, "full": 2 * 6144}, {"sm_only": 9 * 3100}):
+        seen.clear()
+        once = R.ReplayPredictor(calls, _tensors(), table, decode_layers=2).evaluate(pools, warm=False)
+        both = R.ReplayPredictor(calls, _tensors(), table, decode_layers=2).evaluate(pools)
+        assert seen == [len(calls), 2 * len(calls)] and set(once) == {"cold"}
+        assert once["cold"]["layers_s_per_step"] == both["cold"]["layers_s_per_step"]
+        assert (once["cold"]["hits"] == both["cold"]["hits"]).all()
+        assert once["cold"]["admit_bytes_per_step"] == both["cold"]["admit_bytes_per_step"]
+    # a warm evaluation serves a later cold one; a cold one is kept apart from a warm one
+    pred = R.ReplayPredictor(calls, _tensors(), table, decode_layers=2)
+    seen.clear()
+    pred.evaluate({"full": 6 * 6144})
+    pred.evaluate({"full": 6 * 6144}, warm=False)
+    pred.evaluate({"full": 4 * 6144}, warm=False)
+    pred.evaluate({"full": 4 * 6144})
+    assert seen == [2 * len(calls), len(calls), 2 * len(calls)]

@@ -208,7 +208,7 @@ class Planner:
                 "hits": r["hits"], "admit_bytes_per_step": admit_b, "admit_s_per_step": admit_s}
 
     def _half_s(self, pred, slots: dict[str, float]) -> float:
-        return self._with_tpot(pred.evaluate(self.pools_of(slots))["cold"])["tpot_s"]
+        return self._with_tpot(pred.evaluate(self.pools_of(slots), warm=False)["cold"])["tpot_s"]
 
     def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
         """Whether a mixed plan is worth leaving full tensors only for: predicted at least
@@ -262,8 +262,9 @@ class Planner:
     def judged_s(self, slots: dict[str, float]) -> float:
         """What a plan is chosen by: its time per token on the replayed routing (cold) when there
         is one, else the rank model's (:meth:`tpot_s`)."""
-        r = self.replayed(slots)
-        return float(r["cold"]["tpot_s"]) if r is not None else self.tpot_s(slots)
+        if self.replayer is None:
+            return self.tpot_s(slots)
+        return float(self._with_tpot(self.replayer.evaluate(self.pools_of(slots), warm=False)["cold"])["tpot_s"])
 
     def dense_for(self, hits) -> float:
         """The time outside the sparse layers for a plan whose expected hits per state are ``hits``
