@@ -750,3 +750,27 @@ print(json.dumps([got, r1 - r0, rss() - r1]))
     assert {"cuda: cublas", "cuda: attention"} <= set(got)
     print(f"preload {preload_bytes / 2**20:.0f} MiB, the first forward after it {after_bytes / 2**20:.0f} MiB")
     assert after_bytes < 128 << 20, (preload_bytes, after_bytes)
+
+
+def test_a_killed_benchs_cgroup_is_swept_by_the_next(tmp_path):
+    """A bench killed by a signal leaves its ``zipmoe-bench-<pid>-*`` cgroup behind (on 7 Dec two
+    CI runs killed mid-test left one, and the next run's check that bench removes its cgroups
+    failed); the next bench removes those whose pid is gone and that hold no process, and leaves
+    a running bench's and anything else alone."""
+    import subprocess
+    import sys
+
+    from zipmoe.runtime.bench.cgroup import sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"zipmoe-bench-{dead.pid}-0123abcd"
+    mine = tmp_path / f"zipmoe-bench-{os.getpid()}-4567ef01"
+    busy = tmp_path / f"zipmoe-bench-{dead.pid}-89abcdef"  # not empty: rmdir refuses (a cgroup with a process)
+    other = tmp_path / "zipmoe-leaf"
+    for d in (stale, mine, busy, other):
+        d.mkdir()
+    (busy / "cgroup.procs").write_text("1\n")
+    assert sweep_stale(tmp_path) == [stale.name]
+    assert not stale.exists() and mine.exists() and busy.exists() and other.exists()
+    assert sweep_stale(tmp_path / "missing") == []

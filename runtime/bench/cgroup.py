@@ -260,14 +260,45 @@ def _usable(version: int, folder: Path, probe: bool, move_to_leaf: bool = False,
     return None
 
 
+def sweep_stale(parent) -> list[str]:
+    """Remove the ``zipmoe-bench-<pid>-*`` cgroups under ``parent`` that a bench killed before it
+    could remove them left behind (a SIGKILL or SIGTERM skips the ``with``'s exit): those whose
+    pid is gone and that hold no process (rmdir refuses one that does). Returns the names removed."""
+    gone = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return gone
+    for d in entries:
+        parts = d.name.split("-")
+        if len(parts) < 4 or d.name[:len("zipmoe-bench-")] != "zipmoe-bench-" or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its bench is still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # alive, another user's
+        try:
+            d.rmdir()
+            gone.append(d.name)
+        except OSError:
+            pass
+    return gone
+
+
 class MemoryCgroup:
-    """A child memory cgroup with a hard limit; ``with MemoryCgroup(support, limit) as cg:``."""
+    """A child memory cgroup with a hard limit; ``with MemoryCgroup(support, limit) as cg:``.
+    Making one first removes what killed benches left behind (:func:`sweep_stale`)."""
 
     def __init__(self, support: CgroupSupport, limit_bytes: int, name: str | None = None):
         if not support.usable or support.parent is None:
             raise RuntimeError(f"memory cgroups are not usable here: {support.reason}")
         self.version = support.version
         self.limit = int(limit_bytes)
+        if name is None:
+            sweep_stale(support.parent)
         self.path = Path(support.parent) / (name or f"zipmoe-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.path.mkdir()
         try:
