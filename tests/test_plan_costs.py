@@ -828,6 +828,12 @@ def test_default_plan_for_several_rows_is_zipmoe_plan_batchs_choice_or_full_tens
     plan, line = default_plan(path, budget, "cpu", 1, tmp_path / "a", readers=4, batch=4)
     assert plan["pools"]["compressed"] == 0 and plan["pools"]["full"] > 0, line
     assert line.startswith("default plan: full tensors only for 4 rows") and f"zipmoe plan {path.name} --profile-only --batch 4" in line, line
+    # a profile given as a file (bench's --profile): the command names it
+    from zipmoe.runtime.plan.profile import default_profile_path
+
+    given = default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path / "a")
+    _plan, line = default_plan(path, budget, "cpu", 1, tmp_path / "a", readers=4, batch=4, profile_path=given)
+    assert f"--profile-only --batch 4 --profile {given}`" in line, line
     # compressed hits as cheap at four rows: the four-row plan keeps a compressed pool
     plan, line = default_plan(path, budget, "cpu", 1, _cache_for_default(container, tmp_path / "b", per, uses, routing,
                                                                         batches=b4(0.0002)), readers=4, batch=4)

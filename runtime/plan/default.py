@@ -172,7 +172,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
     stats = from_counts(counts, container_id=cid, num_experts=layout.num_experts, top_k=layout.top_k,
                         layers=layout.sparse_layers, calls=calls)
     if int(batch) > 1:
-        plan, line = _batch_default(path, layout, budget, stats, prof, workers, device, recent, int(batch))
+        plan, line = _batch_default(path, layout, budget, stats, prof, workers, device, recent, int(batch), profile_path)
         return plan, (warn + "\n" + line) if warn else line
     try:
         plan = make_plan(layout, budget, stats, prof, workers=workers, device=device, profile_source="cached")
@@ -298,7 +298,7 @@ def _confirm_mix(path, layout, budget: int, stats, prof: dict, workers: int, dev
 
 
 def _batch_default(path, layout, budget: int, stats, prof: dict, workers: int, device: str, recent: list,
-                   batch: int) -> tuple[dict, str]:
+                   batch: int, profile_path=None) -> tuple[dict, str]:
     """The default plan for ``batch`` rows served together: ``zipmoe plan --batch N``'s choice
     (:func:`make_plan` with ``batch``: the costs served at N rows, the recorded routing replayed as
     N rows call the layers, the same rule for leaving full tensors) when the profile holds costs
@@ -315,7 +315,8 @@ def _batch_default(path, layout, budget: int, stats, prof: dict, workers: int, d
     rows = f"for {batch} rows"
     if not has_batch(prof, batch):
         return full, (f"default plan: full tensors only {rows} (the cached profile has no costs served at {batch} rows: "
-                      f"`zipmoe plan {Path(path).name} --profile-only --batch {batch}` measures them once, then the pools "
+                      f"`zipmoe plan {Path(path).name} --profile-only --batch {batch}"
+                      f"{f' --profile {profile_path}' if profile_path is not None else ''}` measures them once, then the pools "
                       f"are fitted at load)")
     decode = _decode_calls(recent, layout)
     if decode < MIN_REPLAY_DECODE_CALLS:
