@@ -270,11 +270,11 @@ def sweep_stale(parent) -> list[str]:
     except OSError:
         return gone
     for d in entries:
-        parts = d.name.split("-")
-        if len(parts) < 4 or d.name[:len("zipmoe-bench-")] != "zipmoe-bench-" or not parts[2].isdigit():
+        pid, _, rest = d.name.removeprefix("zipmoe-bench-").partition("-")
+        if not d.name.startswith("zipmoe-bench-") or not pid.isdigit() or not rest:
             continue
         try:
-            os.kill(int(parts[2]), 0)
+            os.kill(int(pid), 0)
             continue  # its bench is still running
         except ProcessLookupError:
             pass

@@ -72,7 +72,7 @@ def step_costs_at(profile: dict, batch: int) -> dict | None:
     base = (profile or {}).get("step_costs")
     if int(batch) <= 1:
         return base
-    got = ((profile or {}).get("batches") or {}).get(str(int(batch))) or {}
+    got = _batch_entry(profile, batch)
     sc = got.get("step_costs")
     if not sc or not sc.get("resident_step_s"):
         return None
@@ -87,9 +87,14 @@ def step_costs_at(profile: dict, batch: int) -> dict | None:
     return out
 
 
+def _batch_entry(profile: dict, batch: int) -> dict:
+    """What ``profile`` keeps of ``batch`` rows (``profile["batches"][str(batch)]``), or ``{}``."""
+    return ((profile or {}).get("batches") or {}).get(str(int(batch))) or {}
+
+
 def has_batch(profile: dict, batch: int) -> bool:
     """Whether ``profile`` holds costs served at ``batch`` rows (batch 1: its own)."""
-    return int(batch) <= 1 or bool((((profile or {}).get("batches") or {}).get(str(int(batch))) or {}).get("step_costs"))
+    return int(batch) <= 1 or bool(_batch_entry(profile, batch).get("step_costs"))
 
 
 def ensure_batch(profile: dict, batch: int, path, layout, *, device: str = "cpu", workers: int = 1,

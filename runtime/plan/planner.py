@@ -207,8 +207,12 @@ class Planner:
         return {"tpot_s": layers + admit_s + self.dense_for(r["hits"]), "layers_s_per_step": layers,
                 "hits": r["hits"], "admit_bytes_per_step": admit_b, "admit_s_per_step": admit_s}
 
-    def _half_s(self, pred, slots: dict[str, float]) -> float:
-        return self._with_tpot(pred.evaluate(self.pools_of(slots), warm=False)["cold"])["tpot_s"]
+    def _cold_s(self, pred, slots: dict[str, float]) -> float:
+        """A plan's time per token on ``pred``'s routing from a cold cache (one replay of it)."""
+        return float(self._with_tpot(pred.evaluate(self.pools_of(slots), warm=False)["cold"])["tpot_s"])
+
+    def _half_s(self, half, slots: dict[str, float]) -> float:
+        return self._cold_s(half, slots)
 
     def beats_full(self, slots: dict[str, float], full: dict[str, float]) -> tuple[bool, list]:
         """Whether a mixed plan is worth leaving full tensors only for: predicted at least
@@ -262,9 +266,7 @@ class Planner:
     def judged_s(self, slots: dict[str, float]) -> float:
         """What a plan is chosen by: its time per token on the replayed routing (cold) when there
         is one, else the rank model's (:meth:`tpot_s`)."""
-        if self.replayer is None:
-            return self.tpot_s(slots)
-        return float(self._with_tpot(self.replayer.evaluate(self.pools_of(slots), warm=False)["cold"])["tpot_s"])
+        return self.tpot_s(slots) if self.replayer is None else self._cold_s(self.replayer, slots)
 
     def dense_for(self, hits) -> float:
         """The time outside the sparse layers for a plan whose expected hits per state are ``hits``
