@@ -39,7 +39,8 @@ def measure_batch(path, layout, batch: int, device: str = "cpu", workers: int = 
     per-state costs per chosen expert (``state_step_costs`` with the experts a layer call chose
     at this batch, measured). Loads at the budget the batch-1 profile does (every expert whole when
     that fits in a quarter of the free memory)."""
-    from zipmoe.runtime.plan.passes import _run_stream, runtime_for_passes, state_pass, state_step_costs
+    from zipmoe.runtime.plan.passes import (_run_stream, host_state_passes, resident_pass, runtime_for_passes,
+                                             state_step_costs)
 
     batch = int(batch)
     with runtime_for_passes(path, layout, device, workers, load_options) as (model, tok, budget, want):
@@ -49,12 +50,8 @@ def measure_batch(path, layout, batch: int, device: str = "cpu", workers: int = 
         warm, timed = forced[:warmup], forced[warmup:]
         graphs = rt.device.type == "cuda" and rt.slots is not None
         _run_stream(model, rt, prompt, warm)  # every expert the rows use admitted, the graphs captured
-        passes: dict = {"resident": min((state_pass(model, rt, "resident", prompt, timed) for _ in range(2)),
-                                        key=lambda p: p["step_s"]), "graphs": graphs}
-        if graphs:
-            passes["full_host"] = state_pass(model, rt, "full_host", prompt, timed)
-        for state in ("compressed", "sm_only", "e_only", "none"):
-            passes[state] = state_pass(model, rt, state, prompt, timed)
+        passes: dict = {"resident": resident_pass(model, rt, prompt, timed), "graphs": graphs,
+                        **host_state_passes(model, rt, prompt, timed, graphs)}
         per_layer = float(passes["resident"]["experts_per_layer"])
         sc = state_step_costs(passes, per_layer, len(layout.decode_layers))
         return {"batch": batch, "budget": budget, "all_experts_resident": budget >= want, "tokens": len(timed),

@@ -457,6 +457,21 @@ def miss_counts(k: int) -> list[int]:
     return list(range(1, k + 1)) if k <= 8 else sorted({1, 2, k // 2, k})
 
 
+def resident_pass(model, rt, prompt, stream) -> dict:
+    """The resident pass twice, the one with the shorter median step kept: the dense time is
+    mostly the host launching kernels, which anything else on the machine slows."""
+    return min((state_pass(model, rt, "resident", prompt, stream) for _ in range(2)), key=lambda p: p["step_s"])
+
+
+def host_state_passes(model, rt, prompt, stream, graphs: bool) -> dict:
+    """The passes after the resident one, in STATE_PASSES order: ``full_host`` where graphs
+    exist, then each fetched state (compressed, SM only, E only, every expert a miss)."""
+    passes = {"full_host": state_pass(model, rt, "full_host", prompt, stream)} if graphs else {}
+    for state in STATE_PASSES[2:]:
+        passes[state] = state_pass(model, rt, state, prompt, stream)
+    return passes
+
+
 @contextmanager
 def runtime_for_passes(path, layout, device: str, workers: int, load_options: dict | None = None):
     """The model the served passes run on, loaded at the budget they need: every expert whole
@@ -515,9 +530,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         graphs = rt.device.type == "cuda" and rt.slots is not None
         # the warm-up: every expert the stream uses admitted, the graphs captured
         _run_stream(model, rt, prompt, warm)
-        # the resident pass twice, the one with the shorter median step kept: the dense time is
-        # mostly the host launching kernels, which anything else on the machine slows
-        best = min((state_pass(model, rt, "resident", prompt, timed) for _ in range(2)), key=lambda p: p["step_s"])
+        best = resident_pass(model, rt, prompt, timed)
         passes = {"resident": best, "graphs": graphs}
         lm, k = best["layer_makespan_s"], best["experts_per_layer"]
         out = {
@@ -538,13 +551,11 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             out["layer_overhead_s"] = max(0.0, lm - k * out["compute_s_per_expert"])
         try:  # optional: a profile without them plans with the costs measured alone
             stream = timed[:miss_tokens]
-            if graphs:
-                passes["full_host"] = state_pass(model, rt, "full_host", prompt, stream)
-                host = passes["full_host"]
+            if graphs:  # (its figures kept before the fetched states run: a failing one leaves them)
+                passes["full_host"] = host = state_pass(model, rt, "full_host", prompt, stream)
                 out["compute_s_per_expert"] = host["compute_s_per_expert"]  # the host path's (graphs count none)
                 out["layer_overhead_s"] = max(0.0, host["layer_makespan_s"] - host["experts_per_layer"] * host["compute_s_per_expert"])
-            for state in ("compressed", "sm_only", "e_only", "none"):
-                passes[state] = state_pass(model, rt, state, prompt, stream)
+            passes.update(host_state_passes(model, rt, prompt, stream, graphs=False))
             passes["admit"] = admit_pass(model, rt, prompt, stream, passes["none"])
             if budget >= want:  # every expert resident: j misses per layer, the others full hits
                 for j in miss_counts(layout.top_k):
