@@ -271,16 +271,21 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
         assert [s[0] for s in r["rss_by_token"]] == [1] and r["rss_by_token"][0][1] > 0 and r["rss_by_token"][0][2] is None
     assert "predicted against measured" in err.out and "replay" in err.out
     # batch 2: the plan's batch-1 prediction is not set against a batch-2 step
-    out2 = tmp_path / "out2.json"
     i = argv.index("zipmoe-basic")
-    argv2 = argv[:i - 1] + argv[i + 1:]  # the plan's engine only
-    argv2[argv2.index("--batch") + 1] = "2"
-    argv2[argv2.index("--json") + 1] = str(out2)
-    with pytest.raises(SystemExit) as exc:
-        main(argv2)
-    err = capsys.readouterr()
-    assert exc.value.code == 0, err.err[-2000:]
-    run = json.loads(out2.read_text())["results"][0]["runs"][0]
+    one = argv[:i - 1] + argv[i + 1:]  # the plan's engine only
+
+    def first_run(out_name, **opts):
+        """The plan's engine with these options (``--batch``, ``--plan``): its first run, and the console."""
+        args = list(one)
+        for opt, value in dict(opts, json=str(tmp_path / out_name)).items():
+            args[args.index(f"--{opt}") + 1] = str(value)
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        err = capsys.readouterr()
+        assert exc.value.code == 0, err.err[-2000:]
+        return json.loads((tmp_path / out_name).read_text())["results"][0]["runs"][0], err
+
+    run, _ = first_run("out2.json", batch=2)
     assert run["batch"] == 2 and "predicted_tpot_s" not in run and "predicts batch 1" in run["prediction_note"]
     assert "model_tpot_s" not in run and "no costs served at batch 2" in run["prediction_note"]
     # a plan made for two rows, from the profile's costs served at two rows (`zipmoe plan --batch 2`):
@@ -296,15 +301,7 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     assert exc.value.code in (0, None), capsys.readouterr().err[-2000:]
     p2 = json.loads(plan2.read_text())
     assert p2["batch"] == 2
-    out3 = tmp_path / "out3.json"
-    argv3 = list(argv2)
-    argv3[argv3.index("--plan") + 1] = str(plan2)
-    argv3[argv3.index("--json") + 1] = str(out3)
-    with pytest.raises(SystemExit) as exc:
-        main(argv3)
-    err = capsys.readouterr()
-    assert exc.value.code == 0, err.err[-2000:]
-    run = json.loads(out3.read_text())["results"][0]["runs"][0]
+    run, err = first_run("out3.json", batch=2, plan=plan2)
     assert run["predicted_tpot_s"] == pytest.approx(p2["expected_tpot_s"]) and "prediction_note" not in run, run.get("prediction_note")
     assert run["model_tpot_s"] >= 0.006  # the resident step of two rows, and the states' costs at two rows
     assert "per step of N rows" in err.out
