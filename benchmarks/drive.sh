@@ -75,7 +75,7 @@ planner-olmoe|olmoe-1b-7b at 4G: synth, pack, profile, plan, the plan checked ag
 miss|qwen 8G cold, batch 1: uncompressed, the ablations, plan check with alternatives, batch 4, accelerate and deepspeed (§18; ~15 min)
 demo-cpu|the demo on the GPU box's CPU (DEMO_CPUS=0-7) and NVMe: plans at DEMO_BUDGETS checked against every alternative (§7)
 moe-infinity|MoE-Infinity built from source (dev and main refs side by side, benchmarks/moe_infinity_build.sh), mixtral-8x7b shapes (MI_LAYERS=4 of 32), zipmoe, zipmoe-basic and moe-infinity at MI_BUDGETS, else where the pools hold a quarter and half of the experts (MI_FRACTIONS), batch 1,4, cold then warm; accelerate and deepspeed cold at batch 1; the paper's tables (§26, ~25 min; carry .whl and .moei)
-paper|issue 24, the paper's other two models: DeepSeek-V2-Lite (PAPER_DS_LAYERS=8 of 27) and Switch-Large-128 (PAPER_SW_LAYERS=4 of 24 a side), real shapes; per model: budgets holding a quarter and a half of the experts, accelerate and deepspeed (NVMe through the carried libaio) on the source, the plan, zipmoe and the ablations, batch 1/4/16, 32/128/512 tokens, --pressure, llama.cpp (carried CPU build, DeepSeek); the tables of both (§27, ~25 min; carry .whl, .aio, .lcp)
+paper|issue 24, the paper's other two models: DeepSeek-V2-Lite (PAPER_DS_LAYERS=8 of 27) and Switch-Large-128 (PAPER_SW_LAYERS=4 of 24 a side), real shapes; per model: budgets holding a quarter and a half of the experts, accelerate and deepspeed (NVMe through the carried libaio) on the source, the plan, zipmoe (its plan and the default plan) and the ablations, batch 1/4/16, 32/128/512 tokens, --pressure, llama.cpp (carried CPU build, DeepSeek); both models' main tables first; the tables of both (§27, ~25 min; PAPER_* trims it, docs/bench.md; carry .whl, .aio, .lcp)
 cpu-figures|CPU box: the demo at 100/50/20% of the experts, the 900M plan check, bench against accelerate/uncompressed, codecs (§6-8)
 cpu-tables|CPU box: the paper's tables, ZMOE at BUDGET (800M): batch 1,4,16 and 128/512 tokens, the ablations, llama.cpp (§20)"
 
@@ -502,12 +502,12 @@ mi_bench() {  # mi_bench cold|warm ZMOE ARGS...: one bench, MoE-Infinity from th
 }
 
 suite_paper() {  # issue 24: DeepSeek-V2-Lite and Switch-Large-128 at their real shapes (layers cut to fit the sitting), every table
-    # Per model: synth, pack, the budgets, the baselines and llama.cpp's GGUF on the source, then zipmoe
-    # on the container; the sources (8.6 and 8.2 GiB) stay until the pressure cases (Accelerate reads
-    # them) and go at the end (docs/bench.md, "The paper's models": the full-size order). The main tables of both models first (TTFT/TPOT at both
-    # budgets, the ablation), the longer cases after, so a sitting cut short still has the main tables:
-    # Switch's plan comes after DeepSeek's extra cases (its first rows: the pools' default split and
-    # full tensors only).
+    # Per model: synth, pack, the budgets, the baselines on the source, then zipmoe on the container; the
+    # sources (8.6 and 8.2 GiB) stay until llama.cpp's GGUF and the pressure cases (Accelerate reads them) and go
+    # at the end (docs/bench.md, "The paper's models": the full-size order). DeepSeek's main tables (baselines,
+    # plan, zipmoe's engines at both budgets) and its batch 4/16, then Switch's, then the cases earlier sittings
+    # lacked (Switch's lengths and pressure case, llama.cpp cold), then the rest, so that a sitting cut short
+    # loses the cases an earlier sitting has.
     export TOKENS=${TOKENS:-64} RUNS=${RUNS:-1} ACC_TIME_LIMIT=${ACC_TIME_LIMIT:-15} PLAN_PROMPTS=${PLAN_PROMPTS:-builtin}
     bench_env 1
     stage probe 60 probe
@@ -517,18 +517,21 @@ suite_paper() {  # issue 24: DeepSeek-V2-Lite and Switch-Large-128 at their real
     paper_model ds deepseek_v2 "${PAPER_DS_PRESET:-deepseek-v2-lite}" "${PAPER_DS_LAYERS:-8}" --layout fused
     wait_bg  # the op's compilers would share the cores with the timed runs
     paper_baselines ds
-    [ "${PAPER_LLAMA:-1}" != 0 ] && stage ds-llama.cpp 300 paper_llamacpp ds
     stage ds-plan 400 paper_plan ds
-    paper_zipmoe ds plan
+    paper_zipmoe ds
+    local dsb swb; dsb=$(paper_budgets ds); dsb=${dsb##* }
+    stage ds-batch 300 paper_bench ds "$dsb" --engine zipmoe --batch 4,16 --new-tokens "$TOKENS"
     paper_model sw switch_transformers "${PAPER_SW_PRESET:-switch-large-128}" "${PAPER_SW_LAYERS:-4}"
     paper_baselines sw
-    paper_zipmoe sw split
-    paper_more ds
-    [ "${PAPER_PRESSURE:-1}" != 0 ] && stage ds-pressure 300 paper_pressure ds
     stage sw-plan 400 paper_plan sw
-    paper_zipmoe sw plan
-    paper_more sw
+    paper_zipmoe sw
+    swb=$(paper_budgets sw); swb=${swb##* }
+    stage sw-lengths 300 paper_bench sw "$swb" --engine zipmoe --batch 1 --new-tokens 32,128,512
     [ "${PAPER_PRESSURE:-1}" != 0 ] && stage sw-pressure 300 paper_pressure sw
+    [ "${PAPER_LLAMA:-1}" != 0 ] && stage ds-llama.cpp 300 paper_llamacpp ds
+    stage sw-batch 300 paper_bench sw "$swb" --engine zipmoe --batch 4,16 --new-tokens "$TOKENS"
+    stage ds-lengths 300 paper_bench ds "$dsb" --engine zipmoe --batch 1 --new-tokens 32,128,512
+    [ "${PAPER_PRESSURE:-1}" != 0 ] && stage ds-pressure 300 paper_pressure ds
     stage rmsrc 30 rm -rf "$WORK/ds-src" "$WORK/sw-src"
     stage paper-report 60 paper_report
 }
@@ -539,7 +542,8 @@ paper_model() {  # paper_model TAG FAMILY PRESET LAYERS [SYNTH OPTIONS]: the che
     stage "$t-pack" 300 zipmoe pack "$W/$t-src" -o "$W/$t.zmoe" --force
     stage "$t-budgets" 60 fraction_budgets "$W/$t.zmoe" "$W/$t-budgets.txt" "${PAPER_FRACTIONS:-0.25,0.5}"
     # a few warm tokens of zipmoe first: a model that does not run on this device shows in the first minutes
-    stage "$t-smoke" 120 paper_smoke "$t"
+    # (PAPER_SMOKE=0 leaves it out where the CPU rehearsal has run the same pipeline)
+    [ "${PAPER_SMOKE:-1}" != 0 ] && stage "$t-smoke" 120 paper_smoke "$t"
 }
 
 paper_smoke() {
@@ -548,18 +552,18 @@ paper_smoke() {
         --work-dir "$WORK/$t-work" --disk-bw 1G --compact --json "$WORK/$t-smoke.json"
 }
 
-paper_zipmoe() {  # paper_zipmoe TAG plan|split: zipmoe with its plan (and the ablations at the smaller budget), or without
-    # a plan: the pools' default split (zipmoe-pools) and full tensors only (zipmoe-basic), at both budgets
-    local t=$1 how=$2 b q=1 engines
+paper_zipmoe() {  # paper_zipmoe TAG: at both budgets zipmoe with its plan, the default plan chat and serve fit at load
+    # (zipmoe-default: the profile and the calibration's routing, recorded by paper_plan), the pools' default split
+    # (zipmoe-pools) and full tensors only (zipmoe-basic); the plan without prefetch (zipmoe-noprefetch) at the smaller
+    # (PAPER_HALF_ENGINES: the engines at the larger budget, default all four but zipmoe-noprefetch)
+    # Switch (encoder-decoder) leaves zipmoe-default out: its profile has no served costs, so its default is
+    # full tensors only, zipmoe-basic's plan
+    local t=$1 b e engines=() first="zipmoe zipmoe-noprefetch zipmoe-default zipmoe-pools zipmoe-basic"
+    local half=${PAPER_HALF_ENGINES:-zipmoe zipmoe-default zipmoe-pools zipmoe-basic}
     for b in $(paper_budgets "$t"); do
-        if [ "$how" = plan ]; then
-            engines="--engine zipmoe $([ $q = 1 ] && echo "--engine zipmoe-noprefetch") $([ "$t" = ds ] && echo "--engine zipmoe-basic --engine zipmoe-pools")"
-            [ "$t" = ds ] || [ $q = 1 ] || engines="--engine zipmoe"
-        else
-            engines="--engine zipmoe-pools --engine zipmoe-basic"
-        fi
-        stage "$t-zipmoe-$how-$b" 300 paper_bench "$t" "$b" $engines --batch 1 --new-tokens "$TOKENS"
-        q=0
+        engines=(); for e in $first; do [ "$t" = sw ] && [ "$e" = zipmoe-default ] || engines+=(--engine "$e"); done
+        stage "$t-zipmoe-$b" 300 paper_bench "$t" "$b" "${engines[@]}" --batch 1 --new-tokens "$TOKENS"
+        first=$half
     done
 }
 
@@ -595,20 +599,24 @@ paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at 
         --json "$WORK/$t.json" --merge "$@"
 }
 
-paper_baselines() {  # accelerate and deepspeed at both budgets on the source (cold, batch 1, ACC_TIME_LIMIT per run)
-    local t=$1 b budgets=()
-    for b in $(paper_budgets "$t"); do budgets+=(--budget "$b"); done
-    stage "$t-baselines" 600 zipmoe bench "$WORK/$t.zmoe" --engine accelerate --engine deepspeed "${budgets[@]}" --batch 1 \
-        --new-tokens 32 --source "$WORK/$t-src" $(paper_common "$t") --time-limit "$ACC_TIME_LIMIT" \
-        $([ "${PAPER_AIO:-1}" != 0 ] && echo --deepspeed-libaio /tmp/aio) --json "$WORK/$t.json" --merge
+paper_baselines() {  # the baselines on the source (cold, batch 1, ACC_TIME_LIMIT per run): PAPER_BASELINES (default
+    # "accelerate deepspeed") at both budgets; PAPER_DEEPSPEED_BUDGETS=first runs DeepSpeed at the smaller budget alone
+    # (its NVMe offload keeps no parameter between uses, max_in_cpu 0: the budget sizes its buffers, not what it reads)
+    local t=$1 b e budgets=() first=() engines=() ds_first=
+    for b in $(paper_budgets "$t"); do budgets+=(--budget "$b"); [ ${#first[@]} = 0 ] && first=(--budget "$b"); done
+    for e in ${PAPER_BASELINES:-accelerate deepspeed}; do
+        if [ "$e" = deepspeed ] && [ "${PAPER_DEEPSPEED_BUDGETS:-all}" = first ]; then ds_first=1; else engines+=(--engine "$e"); fi
+    done
+    [ ${#engines[@]} -gt 0 ] && stage "$t-baselines" 600 paper_baseline_bench "$t" "${engines[@]}" "${budgets[@]}"
+    [ -n "$ds_first" ] && stage "$t-deepspeed" 600 paper_baseline_bench "$t" --engine deepspeed "${first[@]}"
     # DeepSpeed's NVMe swap folders hold the whole model once per budget: 17 GiB for DeepSeek's cut
     stage "$t-rmoffload" 60 rm -rf "$WORK/$t-work/offload"
 }
 
-paper_more() {  # the throughput and length tables: zipmoe at the larger budget, batch 4 and 16, 32 and 512 new tokens
-    local t=$1 b; b=$(paper_budgets "$t"); b=${b##* }
-    stage "$t-batch" 300 paper_bench "$t" "$b" --engine zipmoe --batch 4,16 --new-tokens 64
-    stage "$t-lengths" 300 paper_bench "$t" "$b" --engine zipmoe --batch 1 --new-tokens 32,128,512
+paper_baseline_bench() {  # paper_baseline_bench TAG BENCH-OPTIONS...: baselines on TAG's source into WORK/TAG.json
+    local t=$1; shift
+    x zipmoe bench "$WORK/$t.zmoe" "$@" --batch 1 --new-tokens 32 --source "$WORK/$t-src" $(paper_common "$t") \
+        --time-limit "$ACC_TIME_LIMIT" $([ "${PAPER_AIO:-1}" != 0 ] && echo --deepspeed-libaio /tmp/aio) --json "$WORK/$t.json" --merge
 }
 
 paper_pressure() {  # the memory-pressure case: zipmoe and accelerate at the smaller budget with the host's memory occupied

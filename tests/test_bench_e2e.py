@@ -252,7 +252,7 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     p = json.loads(plan.read_text())
     assert p["hit_model"] == "replay" and "hits: the best" in capsys.readouterr().out
     out = tmp_path / "out.json"
-    argv = ["bench", str(zm), "--engine", "zipmoe", "--engine", "zipmoe-basic", "--plan", str(plan), "--profile", str(pf),
+    argv = ["bench", str(zm), "--engine", "zipmoe", "--engine", "zipmoe-basic", "--engine", "zipmoe-default", "--plan", str(plan), "--profile", str(pf),
             "--budget", "2M", "--batch", "1", "--new-tokens", "6", "--runs", "1", "--cold", "--cold-method", "fadvise",
             "--device", "cpu", "--threads", "1", "--json", str(out), "--workload", "corpus", "--work-dir", str(tmp_path / "w")]
     with pytest.raises(SystemExit) as exc:
@@ -270,9 +270,13 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
         # the process's RSS sampled through the run: the first token, then every RSS_EVERY (16)
         assert [s[0] for s in r["rss_by_token"]] == [1] and r["rss_by_token"][0][1] > 0 and r["rss_by_token"][0][2] is None
     assert "predicted against measured" in err.out and "replay" in err.out
+    # the default plan (no --plan: fitted at load from the profile) says which plan it fitted, as chat does
+    line = next(d for d in doc["results"] if d["engine"] == "zipmoe-default")["load_info"]["default_plan"]
+    assert " ".join(f"zipmoe-default @ 2.00 MiB: {line.strip().splitlines()[-1]}".split()) in " ".join(err.out.split())
+    assert line.strip().splitlines()[-1].startswith("default plan:"), line
     # batch 2: the plan's batch-1 prediction is not set against a batch-2 step
     i = argv.index("zipmoe-basic")
-    one = argv[:i - 1] + argv[i + 1:]  # the plan's engine only
+    one = argv[:i - 1] + argv[i + 3:]  # the plan's engine only
 
     def first_run(out_name, **opts):
         """The plan's engine with these options (``--batch``, ``--plan``): its first run, and the console."""
@@ -309,7 +313,7 @@ def test_bench_prints_predicted_against_measured(tiny_container, capsys, tmp_pat
     # the same engine and budget at another batch in the same work dir keeps the first bench's runs file
     files = sorted(p.name for p in (tmp_path / "w").glob("runs-zipmoe-*.jsonl"))
     assert files == ["runs-zipmoe-2097152-b1-n6.jsonl", "runs-zipmoe-2097152-b2-n6.jsonl",
-                     "runs-zipmoe-basic-2097152-b1-n6.jsonl"], files
+                     "runs-zipmoe-basic-2097152-b1-n6.jsonl", "runs-zipmoe-default-2097152-b1-n6.jsonl"], files
     first = [json.loads(x) for x in (tmp_path / "w" / files[0]).read_text().splitlines() if x.strip()]
     assert first and all(r["batch"] == 1 for r in first)
     # and its worker log (on 6 Dec a batch-4 run killed by its cgroup lost its log to a later case's)

@@ -142,3 +142,18 @@ def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
             main(["bench", "--report", str(p), opt, str(blocker / "x")])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"{opt} {blocker / 'x'}: cannot write it" in err and "internal error" not in err
+
+
+def test_sittings_on_two_machines_say_which_rows_each_measured():
+    """Merged sittings of one model on an H200 and an H100: a note per machine names its engines
+    (the later sitting's result of an engine and budget is the one the tables show)."""
+    old = _doc("A", [_run("zipmoe", 0.2), _run("accelerate", 2.0)])
+    old["started"] = "2026-12-04T04:25:36"
+    new = _doc("A", [_run("zipmoe", 0.1), _run("deepspeed", 3.0)])
+    new["machine"] = {"gpu": "NVIDIA H100 80GB HBM3"}
+    new["started"] = "2026-12-07T22:30:00"
+    notes = tables.build_all([old, new])["notes"]
+    assert "measured on NVIDIA H200, 2026-12-04: accelerate (results of several sittings merged; compare ratios within one machine's rows)" in notes
+    assert any(n.startswith("measured on NVIDIA H100 80GB HBM3, 2026-12-07: zipmoe, deepspeed") for n in notes)
+    same = _doc("A", [_run("zipmoe", 0.1)])
+    assert not any(n.startswith("measured on") for n in tables.build_all([_doc("A", [_run("accelerate", 2.0)]), same])["notes"])

@@ -317,6 +317,12 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     # nor one measured before the admission rate was (revision 4): its mixes would not be charged for it
     save_profile({**prof, "revision": 3}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     assert "no current profile of this machine and file cached" in default_plan(path, budget, "cpu", 1, tmp_path, readers=4)[1]
+    # a current profile without served costs (an encoder-decoder's passes do not serve it): measuring
+    # again would not help, and the line says why instead of asking for `zipmoe plan`
+    save_profile({k: v for k, v in prof.items() if k != "step_costs"}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    plan4, line4 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
+    assert line4 == ("default plan: full tensors only (the profile has no costs served on this model: its serving passes run "
+                     "the decoder-only loop)") and plan4["pools"]["compressed"] == 0, line4
     save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     # a corrupt statistics file: a warning line, then the prior
     (tmp_path / "stats" / f"{cid}.json").write_text("]")

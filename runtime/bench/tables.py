@@ -308,6 +308,7 @@ def build_all(docs: list[dict]) -> dict:
             if d.get("device") != first:
                 names = ", ".join(sorted({r.get("engine") for r in d.get("results") or []}))
                 t["notes"] = list(t.get("notes") or []) + [f"{names}: measured with --device {d.get('device')} (the other engines: {first})"]
+        t["notes"] = list(t.get("notes") or []) + _machines_note(g["main"])
         if pressed is not None:
             t["tables"]["pressure"] = pressure_table(main, pressed)
             t["notes"] = list(t.get("notes") or []) + t["tables"]["pressure"]["notes"]
@@ -315,6 +316,32 @@ def build_all(docs: list[dict]) -> dict:
     if len(models) == 1:
         return models[0]
     return {"schema": MULTI_SCHEMA, "models": models}
+
+
+def _machine_of(doc: dict) -> str:
+    """Where a bench document ran, in words: the GPU's name (else the CPU's) and the day it started."""
+    m = doc.get("machine") or {}
+    where = m.get("gpu") or m.get("cpu") or "an unnamed machine"
+    day = str(doc.get("started") or "")[:10]
+    return f"{where}, {day}" if day else where
+
+
+def _machines_note(docs: list[dict]) -> list[str]:
+    """One line per machine when a model's documents (sittings merged with ``--report``) ran on more
+    than one: which engine/budget results each table cell comes from, since combine keeps the later
+    document's result of an engine and budget. Nothing when they all ran on one machine."""
+    if len({_machine_of(d) for d in docs}) < 2:
+        return []
+    source: dict = {}
+    for d in docs:  # in order: a later document's result replaces an earlier one's (merge.combine)
+        for r in d.get("results") or []:
+            for run in r.get("runs") or []:  # per case: a later result keeps the earlier one's other cases
+                source[(r.get("engine"), r.get("budget"), run.get("batch"), run.get("new_tokens"))] = _machine_of(d)
+    by: dict = {}
+    for (engine, *_), where in source.items():
+        by.setdefault(where, set()).add(engine)
+    return [f"measured on {where}: {', '.join(sorted(engines, key=_order))} (results of several sittings merged; "
+            "compare ratios within one machine's rows)" for where, engines in by.items()]
 
 
 def _models(tables: dict) -> list[dict]:

@@ -114,10 +114,11 @@ def full_only_plan(layout, budget: int, workers: int) -> dict:
 
 
 def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *, profile_path=None,
-                 readers: int | None = None) -> dict | None:
+                 readers: int | None = None, why: list | None = None) -> dict | None:
     """The profile with served state costs (``step_costs``) that fits this machine, file, device and
     dtype (and reader count, when given): ``profile_path`` when given, else the cache's; None when
-    there is none, it is stale or it cannot be read."""
+    there is none, it is stale or it cannot be read. ``why``: a list that gets the reason when a
+    profile that fits has no served costs (an encoder-decoder's: its passes serve decoder-only)."""
     from zipmoe.errors import ZipmoeError
     from zipmoe.runtime.plan.profile import PROFILE_REVISION, check_profile, default_profile_path, load_profile
 
@@ -132,6 +133,9 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
                              or (readers is not None and prof.get("disk", {}).get("readers") != readers)
                              # measured before today's passes (revision 4: the admission rate): `zipmoe plan` measures again
                              or prof.get("revision", 1) < PROFILE_REVISION):
+        if why is not None and not prof.get("step_costs") and prof.get("revision", 1) >= PROFILE_REVISION \
+                and check_profile(prof, path, container_id, device, dtype) is None:
+            why.append("the profile has no costs served on this model: its serving passes run the decoder-only loop")
         return None
     return prof
 
@@ -159,7 +163,10 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return None, "default plan: none (the budget is below the model's minimum)"
     if layout.pool_bytes(budget, workers) >= layout.total_expert_full:
         return None, "default plan: every expert fits as a full tensor"
-    prof = find_profile(path, cid, device, dtype, cache_dir, profile_path=profile_path, readers=readers)
+    why: list = []
+    prof = find_profile(path, cid, device, dtype, cache_dir, profile_path=profile_path, readers=readers, why=why)
+    if prof is None and why:  # an encoder-decoder: measuring again would not help
+        return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({why[0]})"
     if prof is None:
         return (full_only_plan(layout, budget, workers),
                 "default plan: full tensors only (no current profile of this machine and file cached; "
