@@ -558,7 +558,8 @@ paper_zipmoe() {  # paper_zipmoe TAG: at both budgets zipmoe with its plan, the 
     # (PAPER_HALF_ENGINES: the engines at the larger budget, default all four but zipmoe-noprefetch)
     # Switch (encoder-decoder) leaves zipmoe-default out: its profile has no served costs, so its default is
     # full tensors only, zipmoe-basic's plan
-    local t=$1 b e engines=() first="zipmoe zipmoe-noprefetch zipmoe-default zipmoe-pools zipmoe-basic"
+    # (PAPER_FIRST_ENGINES: those at the smaller budget, default all five)
+    local t=$1 b e engines=() first=${PAPER_FIRST_ENGINES:-zipmoe zipmoe-noprefetch zipmoe-default zipmoe-pools zipmoe-basic}
     local half=${PAPER_HALF_ENGINES:-zipmoe zipmoe-default zipmoe-pools zipmoe-basic}
     for b in $(paper_budgets "$t"); do
         engines=(); for e in $first; do [ "$t" = sw ] && [ "$e" = zipmoe-default ] || engines+=(--engine "$e"); done
