@@ -138,6 +138,7 @@ exports() {  # env PREFIX: the export lines
 check() {  # check PREFIX [DIR]: the op builds, loads, and reads back what it wrote
     local p=${1:-} dir=${2:-/tmp} lines
     [ -n "$p" ] || die "usage: check PREFIX [DIR]"
+    mkdir -p "$dir" || die "cannot make $dir"  # the round trip's folder (drive.sh names one under its run folder)
     lines=$(exports "$p") || exit 1
     eval "$lines"
     (cd /tmp && "${PYTHON:-python3}" - "$dir" <<'EOF'
