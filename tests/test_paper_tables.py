@@ -144,16 +144,29 @@ def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
         assert exc.value.code == 2 and f"{opt} {blocker / 'x'}: cannot write it" in err and "internal error" not in err
 
 
-def test_sittings_on_two_machines_say_which_rows_each_measured():
-    """Merged sittings of one model on an H200 and an H100: a note per machine names its engines
-    (the later sitting's result of an engine and budget is the one the tables show)."""
-    old = _doc("A", [_run("zipmoe", 0.2), _run("accelerate", 2.0)])
+def test_sittings_on_two_machines_mark_each_figure_with_its_machine():
+    """Merged sittings of one model on an H200 and an H100: each figure carries its machine's letter,
+    the notes name the letters, the ablation gives no speed-up across machines, and a failure of the
+    first sitting that the second overcame (DeepSpeed's build) is not the engine's state any more."""
+    old = _doc("A", [_run("zipmoe", 0.2), _run("zipmoe-basic", 0.25), _run("accelerate", 2.0)])
     old["started"] = "2026-12-04T04:25:36"
+    old["errors"] = [{"engine": "deepspeed", "error": "building its async_io op failed"}]
     new = _doc("A", [_run("zipmoe", 0.1), _run("deepspeed", 3.0)])
     new["machine"] = {"gpu": "NVIDIA H100 80GB HBM3"}
     new["started"] = "2026-12-07T22:30:00"
-    notes = tables.build_all([old, new])["notes"]
-    assert "measured on NVIDIA H200, 2026-12-04: accelerate (results of several sittings merged; compare ratios within one machine's rows)" in notes
-    assert any(n.startswith("measured on NVIDIA H100 80GB HBM3, 2026-12-07: zipmoe, deepspeed") for n in notes)
-    same = _doc("A", [_run("zipmoe", 0.1)])
-    assert not any(n.startswith("measured on") for n in tables.build_all([_doc("A", [_run("accelerate", 2.0)]), same])["notes"])
+    t = tables.build_all([old, new])
+    assert "[A] measured on NVIDIA H200, 2026-12-04 (sittings merged: compare figures of one letter; the ablation's " \
+           "speed-ups are given only where a variant and basic share one)" in t["notes"]
+    assert any(n.startswith("[B] measured on NVIDIA H100 80GB HBM3, 2026-12-07") for n in t["notes"])
+    assert not any("cannot run" in n for n in t["notes"]), t["notes"]
+    lat = {r["engine"]: r for r in t["tables"]["latency"]["rows"]}
+    assert lat["zipmoe"]["tpot_s"]["machine"] == "B" and lat["accelerate"]["tpot_s"]["machine"] == "A"
+    assert lat["deepspeed"]["tpot_s"]["value"] == pytest.approx(3.0)
+    abl = {r["engine"]: r for r in t["tables"]["ablation"]["rows"]}
+    assert abl["zipmoe-basic"]["speedup_over_basic"] == pytest.approx(1.0) and abl["zipmoe"]["speedup_over_basic"] is None
+    md = tables.markdown(t)
+    assert "Measured on 2 machines, marked [A], [B]" in md and "| zipmoe | 400 M | 500.0 ms [B] | 100.0 ms [B] |" in md, md
+    # one machine: no letters, no such notes, the speed-up given
+    one = tables.build_all([_doc("A", [_run("accelerate", 2.0), _run("zipmoe-basic", 0.2)]), _doc("A", [_run("zipmoe", 0.1)])])
+    assert not any(n.startswith("[") for n in one["notes"]) and "machine" not in one["tables"]["latency"]["rows"][0]["tpot_s"]
+    assert {r["engine"]: r for r in one["tables"]["ablation"]["rows"]}["zipmoe"]["speedup_over_basic"] == pytest.approx(2.0)

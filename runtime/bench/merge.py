@@ -39,6 +39,12 @@ def combine(docs: list[dict]) -> dict:
 
     out = copy.deepcopy(docs[0])
     for d in docs[1:]:
+        # an earlier failure that this document's run of the engine (at that budget, or at any budget for
+        # an engine-wide one: a build that failed) has since overcome is no longer the engine's state
+        ran = {(r.get("engine"), r.get("budget")) for r in d.get("results") or [] if r.get("ok")}
+        out["errors"] = [e for e in out.get("errors") or []
+                         if (e.get("engine"), e.get("budget")) not in ran
+                         and not (e.get("budget") is None and any(k[0] == e.get("engine") for k in ran))]
         for res in d.get("results") or []:
             key = (res.get("engine"), res.get("budget"))
             res = copy.deepcopy(res)

@@ -97,7 +97,11 @@ def _cell(doc_status: dict, rows: dict, engine: str, budget, key: tuple, metric:
     v = _med(row, metric)
     flag = "†" if st.get("budget_broken") else ""
     if v is not None:
-        return {"value": v, "text": "", "flag": flag, "generated": row.get("generated"), "stopped_by_time_limit": row.get("stopped_by_time_limit")}
+        cell = {"value": v, "text": "", "flag": flag, "generated": row.get("generated"), "stopped_by_time_limit": row.get("stopped_by_time_limit")}
+        mark = (doc_status.get("marks") or {}).get((engine, b) + tuple(key))
+        if mark:
+            cell["machine"] = mark
+        return cell
     why = (st.get("cases") or {}).get(tuple(key)) or st.get("error")
     if why:
         return {"value": None, "text": "cannot run", "why": why, "flag": flag}
@@ -161,11 +165,14 @@ def token_agreement(runs: list[dict], reference: str = "zipmoe") -> list[dict]:
     return out
 
 
-def build(doc: dict) -> dict:
-    """Every table as JSON-able data."""
+def build(doc: dict, marks: dict | None = None) -> dict:
+    """Every table as JSON-able data. ``marks``: (engine, budget, batch, new tokens) -> the letter of
+    the machine that measured it, when merged sittings ran on several (:func:`build_all`)."""
     summary = doc.get("summary") or []
     rows = _index(summary)
     status = _status(doc)
+    if marks:
+        status["marks"] = marks
     engines, budgets = _engines_budgets(doc)
     if not budgets:
         budgets = [None]
@@ -222,9 +229,11 @@ def build(doc: dict) -> dict:
     abl = []
     for bud in budgets:
         base = _med(rows.get(("zipmoe-basic", bud, bt, na)), "tpot_s")
+        base_mark = (marks or {}).get(("zipmoe-basic", bud, bt, na))
         for eng, label in variants:
             c = _cell(status, rows, eng, bud, (bt, na), "tpot_s")
-            speed = (base / c["value"]) if (base and c["value"]) else None
+            # a speed-up only between runs of one machine (merged sittings: other machines, other code)
+            speed = (base / c["value"]) if (base and c["value"] and c.get("machine") == base_mark) else None
             abl.append({"variant": label, "engine": eng, "budget": bud, "tpot_s": c, "speedup_over_basic": speed})
     names = " / ".join(lab for _, lab in variants)
     tables["ablation"] = {"title": f"ablation: {names} (TPOT, batch {bt}, {na} new tokens)", "rows": abl}
@@ -232,6 +241,7 @@ def build(doc: dict) -> dict:
     runs = [r for d in doc.get("results") or [] for r in d.get("runs") or []]
     tables["agreement"] = {"title": "greedy tokens agreeing with zipmoe's (a figure: other kernels may round differently)",
                            "rows": token_agreement(runs)}
+    status.pop("marks", None)
     notes = sorted({f"† {e} @ {_fmt_budget(b)}: {st['budget_broken']}" for (e, b), st in status.items() if st.get("budget_broken")})
     notes += sorted({f"{e}" + (f" @ {_fmt_budget(b)}" if b is not None else "") + f" cannot run: {st['error']}"
                      for (e, b), st in status.items() if st.get("error")})
@@ -301,14 +311,17 @@ def build_all(docs: list[dict]) -> dict:
     for g in groups.values():
         main = finalize(combine(g["main"])) if g["main"] else None
         pressed = finalize(combine(g["pressure"])) if g["pressure"] else None
-        t = build(main if main is not None else pressed)
+        marks, machines_notes = _machine_marks(g["main"])
+        t = build(main if main is not None else pressed, marks)
         t["name"] = _model_name(main if main is not None else pressed)
         first = (g["main"] or g["pressure"])[0].get("device")
         for d in g["main"][1:]:  # e.g. llama.cpp's CPU build beside the GPU engines
             if d.get("device") != first:
                 names = ", ".join(sorted({r.get("engine") for r in d.get("results") or []}))
                 t["notes"] = list(t.get("notes") or []) + [f"{names}: measured with --device {d.get('device')} (the other engines: {first})"]
-        t["notes"] = list(t.get("notes") or []) + _machines_note(g["main"])
+        t["notes"] = list(t.get("notes") or []) + machines_notes
+        if marks:
+            t["machines"] = sorted({m for m in marks.values()})
         if pressed is not None:
             t["tables"]["pressure"] = pressure_table(main, pressed)
             t["notes"] = list(t.get("notes") or []) + t["tables"]["pressure"]["notes"]
@@ -326,22 +339,24 @@ def _machine_of(doc: dict) -> str:
     return f"{where}, {day}" if day else where
 
 
-def _machines_note(docs: list[dict]) -> list[str]:
-    """One line per machine when a model's documents (sittings merged with ``--report``) ran on more
-    than one: which engine/budget results each table cell comes from, since combine keeps the later
-    document's result of an engine and budget. Nothing when they all ran on one machine."""
-    if len({_machine_of(d) for d in docs}) < 2:
-        return []
-    source: dict = {}
-    for d in docs:  # in order: a later document's result replaces an earlier one's (merge.combine)
+def _machine_marks(docs: list[dict]) -> tuple[dict, list[str]]:
+    """When a model's documents (sittings merged with ``--report``) ran on more than one machine:
+    ``(marks, notes)``, marks mapping (engine, budget, batch, new tokens) to a letter per machine (in
+    order of appearance; combine keeps the later document's run of a case), the notes naming each
+    letter's machine. ``({}, [])`` when they all ran on one machine."""
+    labels = list(dict.fromkeys(_machine_of(d) for d in docs))
+    if len(labels) < 2:
+        return {}, []
+    letter = {m: chr(ord("A") + i) for i, m in enumerate(labels)}
+    marks: dict = {}
+    for d in docs:  # in order: a later document's run of a case replaces an earlier one's (merge.combine)
         for r in d.get("results") or []:
-            for run in r.get("runs") or []:  # per case: a later result keeps the earlier one's other cases
-                source[(r.get("engine"), r.get("budget"), run.get("batch"), run.get("new_tokens"))] = _machine_of(d)
-    by: dict = {}
-    for (engine, *_), where in source.items():
-        by.setdefault(where, set()).add(engine)
-    return [f"measured on {where}: {', '.join(sorted(engines, key=_order))} (results of several sittings merged; "
-            "compare ratios within one machine's rows)" for where, engines in by.items()]
+            for run in r.get("runs") or []:
+                marks[(r.get("engine"), r.get("budget"), run.get("batch"), run.get("new_tokens"))] = letter[_machine_of(d)]
+    used = set(marks.values())
+    notes = [f"[{letter[m]}] measured on {m} (sittings merged: compare figures of one letter; the ablation's "
+             "speed-ups are given only where a variant and basic share one)" for m in labels if letter[m] in used]
+    return marks, notes
 
 
 def _models(tables: dict) -> list[dict]:
@@ -384,6 +399,8 @@ def _text(c: dict, fmt) -> str:
         s += "*"
     if c.get("new_tokens") is not None:  # another length than the table's (its own longest run)
         s += f" @{c['new_tokens']}"
+    if c.get("machine"):  # merged sittings on several machines: which one measured it (the notes name them)
+        s += f" [{c['machine']}]"
     return s
 
 
@@ -459,7 +476,10 @@ def markdown(tables: dict) -> str:
         lines += [f"### {model.get('name') or model.get('container')}", ""]
         mach = model.get("machine") or {}
         where = ", ".join(str(x) for x in (mach.get("gpu") or mach.get("cpu"), model.get("device")) if x)
-        if where:
+        if model.get("machines"):
+            lines += [f"Measured on {len(model['machines'])} machines, marked {', '.join('[' + m + ']' for m in model['machines'])} "
+                      "(the notes below name them).", ""]
+        elif where:
             lines += [f"Measured on {where}.", ""]
         for title, head, rows in grids(model):
             lines += [f"**{cell(title)}**", "", "| " + " | ".join(cell(h) for h in head) + " |",
