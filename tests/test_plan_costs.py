@@ -44,6 +44,22 @@ def test_step_table_is_exact_on_pure_layers_linear_in_between_and_free_when_grap
     assert host.values[[i for i, c in enumerate(compositions(k)) if c[0] == k][0]] == pytest.approx(3 * 0.001)
 
 
+def test_a_miss_curve_that_strays_from_the_all_miss_state_is_a_warning():
+    """The H100's DeepSeek profile of §27b: six misses in one layer 36.3 ms in the curve's pass
+    against 6 x 8.467 ms in the all-miss state (0.71x), and the plan built on it was 2.2x short;
+    the H200's qwen profile (33.3 against 4 x 8.47 ms) agrees."""
+    from zipmoe.runtime.plan.model import curve_disagreement
+
+    ds = {"per_expert_s": {"full": 0.0003, "compressed": 0.00658, "sm_only": 0.00575, "e_only": 0.0061, "none": 0.008467},
+          "miss_curve_s": {"1": 0.00149, "2": 0.00944, "3": 0.01808, "4": 0.02624, "5": 0.03006, "6": 0.03629}}
+    line = curve_disagreement(ds)
+    assert line.startswith("warning: the profile's passes disagree: 6 misses in one layer cost 36.3 ms in the miss curve's "
+                           "pass and 50.8 ms in the all-miss state's (0.71x)") and "--remeasure" in line, line
+    qwen = {"per_expert_s": {"none": 0.00847}, "miss_curve_s": {"1": 0.009, "2": 0.017, "3": 0.025, "4": 0.0333}}
+    assert curve_disagreement(qwen) is None
+    assert curve_disagreement({"per_expert_s": {"none": 0.008}}) is None  # no curve: nothing to compare
+
+
 def test_step_table_with_a_miss_curve_charges_a_lone_fetch_its_latency():
     """Measured on the CPU box: a lone miss adds more to a layer than a quarter of four misses."""
     a = {"full": 0.0, "compressed": 0.0005, "sm_only": 0.0008, "e_only": 0.0009, "none": 0.001}

@@ -140,6 +140,32 @@ class MakespanTable:
         ])
 
 
+#: how far the miss curve's last point (``k`` misses in one layer, the others full hits) may stray
+#: from the all-miss state (``k`` misses in every layer) before the plan warns that its passes disagree
+CURVE_AGREEMENT = 0.15
+
+
+def curve_disagreement(step_costs: dict) -> str | None:
+    """One warning line when a profile's two measures of a layer of ``k`` misses disagree by more
+    than :data:`CURVE_AGREEMENT`: the miss curve's point at ``k`` against ``k`` times the all-miss
+    state's cost per miss. They agreed within 10% in every GPU profile of docs/benchmarks.md but one
+    (§27b, an H100, DeepSeek's shape: 36.3 ms against 50.8, and the plan built on the curve was
+    2.2x short of its run); None when they agree or either is missing."""
+    curve = {int(j): float(v) for j, v in (step_costs.get("miss_curve_s") or {}).items()}
+    miss = float((step_costs.get("per_expert_s") or {}).get("none") or 0.0)
+    if not curve or miss <= 0:
+        return None
+    k = max(curve)
+    state = k * miss
+    ratio = curve[k] / state
+    if abs(ratio - 1.0) <= CURVE_AGREEMENT:
+        return None
+    return (f"warning: the profile's passes disagree: {k} misses in one layer cost {1e3 * curve[k]:.1f} ms in the miss "
+            f"curve's pass and {1e3 * state:.1f} ms in the all-miss state's ({ratio:.2f}x); the disk or the cores served "
+            "them at other rates, and the predictions lean on the curve: measure the profile again "
+            "(`zipmoe plan FILE --profile-only --remeasure`) before trusting them")
+
+
 class StepTable:
     """What a sparse layer adds to the resident decode step, for every count vector, from the
     per-state costs measured by serving (runtime/plan/passes.py ``state_step_costs``).

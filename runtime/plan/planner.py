@@ -22,7 +22,7 @@ from zipmoe.units import format_size
 from zipmoe.runtime.engine.adopt import COPYING_POOLS
 from zipmoe.runtime.plan.layout import ContainerLayout
 from zipmoe.runtime.plan.batched import step_costs_at
-from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, StepTable, solve_cps
+from zipmoe.runtime.plan.model import POOL_ORDER, LayerSet, MakespanTable, StepTable, curve_disagreement, solve_cps
 from zipmoe.runtime.plan.search import POOLS, search
 from zipmoe.runtime.plan.stats import ActivationStats
 from zipmoe.runtime.plan.profile import costs_of
@@ -352,6 +352,9 @@ class Planner:
                          + ", ".join(f"{s} {1e3 * a[s]:.3f}" for s in POOL_ORDER)
                          + ("; a layer whose experts are all full hits runs from its CUDA graph (adds 0)"
                             if self.step_costs.get("graphs") else ""))
+            warn = curve_disagreement(self.step_costs)
+            if warn:
+                lines.append(warn)
             fit = self.step_costs.get("served_fit")
             if fit:
                 lines.append(f"a miss fitted to a served run at capacity ({fit['steps']} steps, {fit['capacity'] / 2**20:.0f} MiB of full tensors): "
