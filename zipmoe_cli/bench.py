@@ -73,11 +73,12 @@ def _print_report(doc: dict, plot_path: Optional[Path], compact: bool = False) -
     if tc:
         notes.append(tc.get("message", ""))
     for res in doc.get("results", []):
+        at = f"{res['engine']} @ {format_size(res['budget']) if res.get('budget') else 'none'}"
         line = (res.get("load_info") or {}).get("default_plan")
         if line:  # zipmoe-default: which plan it fitted at load, as chat and serve say it (its last line; warnings before it)
-            notes.append(f"{res['engine']} @ {format_size(res['budget']) if res.get('budget') else 'none'}: {line.strip().splitlines()[-1]}")
+            notes.append(f"{at}: {line.strip().splitlines()[-1]}")
         if res.get("budget_broken"):
-            notes.append(f"{res['engine']} @ {format_size(res['budget']) if res.get('budget') else 'none'} broke the budget: {res['budget_broken']}")
+            notes.append(f"{at} broke the budget: {res['budget_broken']}")
     runs = [r for res in doc.get("results", []) for r in res.get("runs", [])]
     wl = sorted({str(r.get("workload") or "greedy") for r in runs})
     if wl:

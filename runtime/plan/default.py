@@ -129,13 +129,17 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
         prof = load_profile(p) if p.exists() else None
     except ZipmoeError:
         return None
-    if prof is not None and (check_profile(prof, path, container_id, device, dtype) is not None or not prof.get("step_costs")
-                             or (readers is not None and prof.get("disk", {}).get("readers") != readers)
-                             # measured before today's passes (revision 4: the admission rate): `zipmoe plan` measures again
-                             or prof.get("revision", 1) < PROFILE_REVISION):
-        if why is not None and not prof.get("step_costs") and prof.get("revision", 1) >= PROFILE_REVISION \
-                and check_profile(prof, path, container_id, device, dtype) is None:
+    if prof is None:
+        return None
+    # another machine, file, device or dtype; or measured before today's passes (revision 4: the
+    # admission rate): `zipmoe plan` measures again
+    if check_profile(prof, path, container_id, device, dtype) is not None or prof.get("revision", 1) < PROFILE_REVISION:
+        return None
+    if not prof.get("step_costs"):
+        if why is not None:
             why.append("the profile has no costs served on this model: its serving passes run the decoder-only loop")
+        return None
+    if readers is not None and prof.get("disk", {}).get("readers") != readers:
         return None
     return prof
 
