@@ -156,7 +156,7 @@ def test_sittings_on_two_machines_mark_each_figure_with_its_machine():
     new["started"] = "2026-12-07T22:30:00"
     t = tables.build_all([old, new])
     assert "[A] measured on NVIDIA H200, 2026-12-04 (sittings merged: compare figures of one letter; the ablation's " \
-           "speed-ups are given only where a variant and basic share one)" in t["notes"]
+           "speed-ups and the slow-downs under pressure are given only within one)" in t["notes"]
     assert any(n.startswith("[B] measured on NVIDIA H100 80GB HBM3, 2026-12-07") for n in t["notes"])
     assert not any("cannot run" in n for n in t["notes"]), t["notes"]
     lat = {r["engine"]: r for r in t["tables"]["latency"]["rows"]}
@@ -166,6 +166,12 @@ def test_sittings_on_two_machines_mark_each_figure_with_its_machine():
     assert abl["zipmoe-basic"]["speedup_over_basic"] == pytest.approx(1.0) and abl["zipmoe"]["speedup_over_basic"] is None
     md = tables.markdown(t)
     assert "Measured on 2 machines, marked [A], [B]" in md and "| zipmoe | 400 M | 500.0 ms [B] | 100.0 ms [B] |" in md, md
+    # a pressure case of the first sitting against the second's run without pressure: no slow-down across machines
+    ap = _doc("A", [_run("zipmoe", 0.12), _run("accelerate", 2.2)], pressure={"leave_bytes": 8 << 30, "held_to_the_end": True})
+    ap["started"] = old["started"]
+    pr = {r["engine"]: r for r in tables.build_all([old, new, ap])["tables"]["pressure"]["rows"]}
+    assert pr["zipmoe"]["tpot_pressure_s"]["machine"] == "A" and pr["zipmoe"]["tpot_s"]["machine"] == "B"
+    assert pr["zipmoe"]["slowdown"] is None and pr["accelerate"]["slowdown"] == pytest.approx(1.1)
     # one machine: no letters, no such notes, the speed-up given
     one = tables.build_all([_doc("A", [_run("accelerate", 2.0), _run("zipmoe-basic", 0.2)]), _doc("A", [_run("zipmoe", 0.1)])])
     assert not any(n.startswith("[") for n in one["notes"]) and "machine" not in one["tables"]["latency"]["rows"][0]["tpot_s"]

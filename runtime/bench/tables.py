@@ -98,9 +98,8 @@ def _cell(doc_status: dict, rows: dict, engine: str, budget, key: tuple, metric:
     flag = "†" if st.get("budget_broken") else ""
     if v is not None:
         cell = {"value": v, "text": "", "flag": flag, "generated": row.get("generated"), "stopped_by_time_limit": row.get("stopped_by_time_limit")}
-        mark = (doc_status.get("marks") or {}).get((engine, b) + tuple(key))
-        if mark:
-            cell["machine"] = mark
+        if row.get("machine"):  # merged sittings on several machines (build_all marks the rows)
+            cell["machine"] = row["machine"]
         return cell
     why = (st.get("cases") or {}).get(tuple(key)) or st.get("error")
     if why:
@@ -165,14 +164,12 @@ def token_agreement(runs: list[dict], reference: str = "zipmoe") -> list[dict]:
     return out
 
 
-def build(doc: dict, marks: dict | None = None) -> dict:
-    """Every table as JSON-able data. ``marks``: (engine, budget, batch, new tokens) -> the letter of
-    the machine that measured it, when merged sittings ran on several (:func:`build_all`)."""
+def build(doc: dict) -> dict:
+    """Every table as JSON-able data (a summary row's ``machine``, set by :func:`build_all` where
+    merged sittings ran on several machines, marks its cells)."""
     summary = doc.get("summary") or []
     rows = _index(summary)
     status = _status(doc)
-    if marks:
-        status["marks"] = marks
     engines, budgets = _engines_budgets(doc)
     if not budgets:
         budgets = [None]
@@ -228,8 +225,8 @@ def build(doc: dict, marks: dict | None = None) -> dict:
         variants = [(e, lab) for e, lab in ABLATION if e not in ("zipmoe-noprefetch", "zipmoe")] + [("zipmoe", "+planning")]
     abl = []
     for bud in budgets:
-        base = _med(rows.get(("zipmoe-basic", bud, bt, na)), "tpot_s")
-        base_mark = (marks or {}).get(("zipmoe-basic", bud, bt, na))
+        base_row = rows.get(("zipmoe-basic", bud, bt, na))
+        base, base_mark = _med(base_row, "tpot_s"), (base_row or {}).get("machine")
         for eng, label in variants:
             c = _cell(status, rows, eng, bud, (bt, na), "tpot_s")
             # a speed-up only between runs of one machine (merged sittings: other machines, other code)
@@ -241,7 +238,6 @@ def build(doc: dict, marks: dict | None = None) -> dict:
     runs = [r for d in doc.get("results") or [] for r in d.get("runs") or []]
     tables["agreement"] = {"title": "greedy tokens agreeing with zipmoe's (a figure: other kernels may round differently)",
                            "rows": token_agreement(runs)}
-    status.pop("marks", None)
     notes = sorted({f"† {e} @ {_fmt_budget(b)}: {st['budget_broken']}" for (e, b), st in status.items() if st.get("budget_broken")})
     notes += sorted({f"{e}" + (f" @ {_fmt_budget(b)}" if b is not None else "") + f" cannot run: {st['error']}"
                      for (e, b), st in status.items() if st.get("error")})
@@ -281,8 +277,9 @@ def pressure_table(normal: dict | None, pressed: dict) -> dict:
         cells = {**_per_token_cells(st_n, n_rows, e, bud, case, ("tpot_s", "ttft_s")),  # without pressure
                  "tpot_pressure_s": _cell(st_p, p_rows, e, bud, case, "tpot_s"), "ttft_pressure_s": _cell(st_p, p_rows, e, bud, case, "ttft_s")}
         a, b = cells["tpot_s"]["value"], cells["tpot_pressure_s"]["value"]
+        same = cells["tpot_s"].get("machine") == cells["tpot_pressure_s"].get("machine")  # merged sittings: one machine's
         out.append({"engine": e, "budget": bud, "batch": case[0], "new_tokens": case[1], **cells,
-                    "slowdown": (b / a) if (a and b) else None})
+                    "slowdown": (b / a) if (a and b and same) else None})
     left = rec.get("leave_bytes")
     title = ("memory pressure: TPOT without and with the host's memory occupied"
              + (f" ({_fmt_budget(rec.get('occupied_bytes'))} occupied, {_fmt_budget(left)} left available)" if left else ""))
@@ -311,8 +308,11 @@ def build_all(docs: list[dict]) -> dict:
     for g in groups.values():
         main = finalize(combine(g["main"])) if g["main"] else None
         pressed = finalize(combine(g["pressure"])) if g["pressure"] else None
-        marks, machines_notes = _machine_marks(g["main"])
-        t = build(main if main is not None else pressed, marks)
+        marks, machines_notes = _machine_marks(g["main"], g["pressure"])
+        for doc, own in ((main, marks.get("main")), (pressed, marks.get("pressure"))):
+            for row in ((doc or {}).get("summary") or []) if own else []:
+                row["machine"] = own.get((row["engine"], row.get("budget"), row["batch"], row["new_tokens"]))
+        t = build(main if main is not None else pressed)
         t["name"] = _model_name(main if main is not None else pressed)
         first = (g["main"] or g["pressure"])[0].get("device")
         for d in g["main"][1:]:  # e.g. llama.cpp's CPU build beside the GPU engines
@@ -321,7 +321,7 @@ def build_all(docs: list[dict]) -> dict:
                 t["notes"] = list(t.get("notes") or []) + [f"{names}: measured with --device {d.get('device')} (the other engines: {first})"]
         t["notes"] = list(t.get("notes") or []) + machines_notes
         if marks:
-            t["machines"] = sorted({m for m in marks.values()})
+            t["machines"] = sorted({m for own in marks.values() for m in own.values()})
         if pressed is not None:
             t["tables"]["pressure"] = pressure_table(main, pressed)
             t["notes"] = list(t.get("notes") or []) + t["tables"]["pressure"]["notes"]
@@ -339,23 +339,24 @@ def _machine_of(doc: dict) -> str:
     return f"{where}, {day}" if day else where
 
 
-def _machine_marks(docs: list[dict]) -> tuple[dict, list[str]]:
+def _machine_marks(main: list[dict], pressure: list[dict]) -> tuple[dict, list[str]]:
     """When a model's documents (sittings merged with ``--report``) ran on more than one machine:
-    ``(marks, notes)``, marks mapping (engine, budget, batch, new tokens) to a letter per machine (in
-    order of appearance; combine keeps the later document's run of a case), the notes naming each
-    letter's machine. ``({}, [])`` when they all ran on one machine."""
-    labels = list(dict.fromkeys(_machine_of(d) for d in docs))
+    ``({"main": marks, "pressure": marks}, notes)``, each marks mapping (engine, budget, batch, new
+    tokens) to a letter per machine (in order of appearance; combine keeps the later document's run
+    of a case), the notes naming each letter's machine. ``({}, [])`` when they all ran on one."""
+    labels = list(dict.fromkeys(_machine_of(d) for d in main + pressure))
     if len(labels) < 2:
         return {}, []
     letter = {m: chr(ord("A") + i) for i, m in enumerate(labels)}
-    marks: dict = {}
-    for d in docs:  # in order: a later document's run of a case replaces an earlier one's (merge.combine)
-        for r in d.get("results") or []:
-            for run in r.get("runs") or []:
-                marks[(r.get("engine"), r.get("budget"), run.get("batch"), run.get("new_tokens"))] = letter[_machine_of(d)]
-    used = set(marks.values())
+    marks: dict = {"main": {}, "pressure": {}}
+    for name, docs in (("main", main), ("pressure", pressure)):
+        for d in docs:  # in order: a later document's run of a case replaces an earlier one's (merge.combine)
+            for r in d.get("results") or []:
+                for run in r.get("runs") or []:
+                    marks[name][(r.get("engine"), r.get("budget"), run.get("batch"), run.get("new_tokens"))] = letter[_machine_of(d)]
+    used = {m for own in marks.values() for m in own.values()}
     notes = [f"[{letter[m]}] measured on {m} (sittings merged: compare figures of one letter; the ablation's "
-             "speed-ups are given only where a variant and basic share one)" for m in labels if letter[m] in used]
+             "speed-ups and the slow-downs under pressure are given only within one)" for m in labels if letter[m] in used]
     return marks, notes
 
 
