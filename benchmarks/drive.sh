@@ -554,11 +554,10 @@ paper_smoke() {
 
 paper_zipmoe() {  # paper_zipmoe TAG: at both budgets zipmoe with its plan, the default plan chat and serve fit at load
     # (zipmoe-default: the profile and the calibration's routing, recorded by paper_plan), the pools' default split
-    # (zipmoe-pools) and full tensors only (zipmoe-basic); the plan without prefetch (zipmoe-noprefetch) at the smaller
-    # (PAPER_HALF_ENGINES: the engines at the larger budget, default all four but zipmoe-noprefetch)
-    # Switch (encoder-decoder) leaves zipmoe-default out: its profile has no served costs, so its default is
-    # full tensors only, zipmoe-basic's plan
-    # (PAPER_FIRST_ENGINES: those at the smaller budget, default all five)
+    # (zipmoe-pools) and full tensors only (zipmoe-basic); the plan without prefetch (zipmoe-noprefetch) at the smaller.
+    # PAPER_FIRST_ENGINES: those at the smaller budget (default all five); PAPER_HALF_ENGINES: those at the larger
+    # (default all but zipmoe-noprefetch). Switch (encoder-decoder) leaves zipmoe-default out: its profile has no
+    # served costs, so its default is full tensors only, zipmoe-basic's plan.
     local t=$1 b e engines=() first=${PAPER_FIRST_ENGINES:-zipmoe zipmoe-noprefetch zipmoe-default zipmoe-pools zipmoe-basic}
     local half=${PAPER_HALF_ENGINES:-zipmoe zipmoe-default zipmoe-pools zipmoe-basic}
     for b in $(paper_budgets "$t"); do
