@@ -39,7 +39,7 @@ def measure_batch(path, layout, batch: int, device: str = "cpu", workers: int = 
     per-state costs per chosen expert (``state_step_costs`` with the experts a layer call chose
     at this batch, measured). Loads at the budget the batch-1 profile does (every expert whole when
     that fits in a quarter of the free memory)."""
-    from zipmoe.runtime.plan.passes import (_run_stream, host_state_passes, resident_pass, runtime_for_passes,
+    from zipmoe.runtime.plan.passes import (_run_stream, holds_every_expert, host_state_passes, resident_pass, runtime_for_passes,
                                              state_step_costs)
 
     batch = int(batch)
@@ -54,7 +54,7 @@ def measure_batch(path, layout, batch: int, device: str = "cpu", workers: int = 
                         **host_state_passes(model, rt, prompt, timed, graphs)}
         per_layer = float(passes["resident"]["experts_per_layer"])
         sc = state_step_costs(passes, per_layer, len(layout.decode_layers))
-        return {"batch": batch, "budget": budget, "all_experts_resident": budget >= want, "tokens": len(timed),
+        return {"batch": batch, "budget": budget, "all_experts_resident": holds_every_expert(model.zipmoe), "tokens": len(timed),
                 "experts_per_layer": per_layer, "step_costs": sc,
                 "passes": {k: ({kk: vv for kk, vv in v.items() if kk != "step_s_all"} if isinstance(v, dict) else v)
                            for k, v in passes.items()}}

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["measure_runtime", "runtime_for_passes", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "runtime_for_passes", "resident_budget", "holds_every_expert", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -472,10 +472,41 @@ def host_state_passes(model, rt, prompt, stream, graphs: bool) -> dict:
     return passes
 
 
+def resident_budget(path, layout, device: str, workers: int) -> int:
+    """The budget whose full pool holds every expert whole, by the runtime's own arithmetic
+    (runtime/engine/loader.py ``requirements`` on ``device``: on CUDA the caching allocator's
+    rounding of every dense tensor, the staging ring, the device merge buffer), with one expert's
+    working bytes to spare for the slot arenas' rounding; never less than the layout's estimate.
+
+    The layout's estimate alone (no CUDA rounding) left the pools of DeepSeek-V2-Lite's shapes
+    (8 layers) about 14 MB short of every expert on the GPU: its shared experts are 11 MiB
+    tensors, each rounded to 12 MiB, 21 of them. The runtime then split the budget 60/40 between
+    the full and compressed pools, and every "resident" pass of docs/benchmarks.md §27 and §27b
+    served compressed hits and misses (1210 full, 118 compressed, 16 misses on the H100): the
+    resident step, the base of every per-state cost, measured 62.7 ms where the graphed step
+    takes a few."""
+    from zipmoe.runtime.engine.loader import requirements
+
+    estimate = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
+    req = requirements(path, workers=workers, device=device, dtype=layout.dtype)
+    return int(max(estimate, req["budget_for"](1.0) + layout.expert_working))
+
+
+def holds_every_expert(rt) -> bool:
+    """Whether ``rt``'s cache is one full pool that holds every expert tensor (in its device
+    slots where it has them): what the resident pass and the miss curve's passes need."""
+    if any(v for k, v in rt.pools.items() if k != "full") or rt.pools.get("full", 0) < rt.expert_bytes_full:
+        return False
+    if rt.slots is not None:
+        return sum(a.slots for a in rt.slots.arenas.values()) >= sum(len(ts) for ts in rt.expert_tensors.values())
+    return True
+
+
 @contextmanager
 def runtime_for_passes(path, layout, device: str, workers: int, load_options: dict | None = None):
     """The model the served passes run on, loaded at the budget they need: every expert whole
-    when that fits in a quarter of the free memory, else as much as does. Yields ``(model,
+    (:func:`resident_budget`) when that fits in a quarter of the free memory, else as much as
+    does. Yields ``(model,
     tokenizer, budget, want)`` (``want``: the budget that holds every expert); closes its fetcher
     and restores torch's thread count after."""
     import torch
@@ -484,7 +515,7 @@ def runtime_for_passes(path, layout, device: str, workers: int, load_options: di
     from zipmoe.runtime.engine.loader import load
     from zipmoe.runtime.plan.calibrate import load_kwargs
 
-    want = layout.min_budget(workers) + layout.total_expert_full + (workers + 2) * layout.expert_working
+    want = resident_budget(path, layout, device, workers)
     budget = int(max(layout.min_budget(workers) * 1.5, min(want, _mem_available() // 4)))
     old = torch.get_num_threads()
     model, tok = load(path, budget=budget, device=device, workers=workers, threads=torch_threads(workers),
@@ -524,6 +555,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
 
     with runtime_for_passes(path, layout, device, workers, load_options) as (model, tok, budget, want):
         rt = model.zipmoe
+        resident = holds_every_expert(rt)
         cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
         prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
         warm, timed = forced[:warmup], forced[warmup:warmup + tokens]
@@ -535,7 +567,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         lm, k = best["layer_makespan_s"], best["experts_per_layer"]
         out = {
             "budget": budget,
-            "all_experts_resident": budget >= want,
+            # (the runtime's pools as loaded, not the budget's arithmetic: holds_every_expert)
+            "all_experts_resident": resident,
             "tokens": best["steps"],
             "tpot_s": best["step_s"],
             "compute_s_per_expert": best["compute_s_per_expert"],
@@ -545,7 +578,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             "torch_threads": torch.get_num_threads(),
             "workload": "corpus (teacher-forced)",
         }
-        if budget >= want and best["sparse_layers_per_step"]:
+        if resident and best["sparse_layers_per_step"]:
             # every expert whole: a layer's makespan is its computes plus the runtime's own work
             # around them (routing bookkeeping, cache touches, the hook): the per-layer overhead
             out["layer_overhead_s"] = max(0.0, lm - k * out["compute_s_per_expert"])
@@ -557,7 +590,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                 out["layer_overhead_s"] = max(0.0, host["layer_makespan_s"] - host["experts_per_layer"] * host["compute_s_per_expert"])
             passes.update(host_state_passes(model, rt, prompt, stream, graphs=False))
             passes["admit"] = admit_pass(model, rt, prompt, stream, passes["none"])
-            if budget >= want:  # every expert resident: j misses per layer, the others full hits
+            if resident:  # every expert resident: j misses per layer, the others full hits
                 for j in miss_counts(layout.top_k):
                     passes[f"misses_{j}"] = lone_miss_pass(model, rt, prompt, stream, j)
                 if layout.top_k > 1:  # half of them misses, the others compressed hits (β)

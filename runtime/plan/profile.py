@@ -105,8 +105,10 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: beside misses (``step_costs["compressed_beside_misses_s"]``, 7 Dec 2026); 6 = the compressed pool keeps the
 #: read buffers, so ``admit_bw`` is the copy rate of the SM-only pool's admissions (engine/adopt.py, 7 Dec
 #: 2026); 7 = β fitted to a served run of one compressed pool at capacity (``step_costs["beta_fit"]``, 7 Dec
-#: 2026: the β pass measured 2.62 ms on an H100 where serving implied 0.7); older ones are measured again
-PROFILE_REVISION = 7
+#: 2026: the β pass measured 2.62 ms on an H100 where serving implied 0.7); 8 = the passes load at the
+#: budget the runtime's own arithmetic gives for every expert whole (passes.resident_budget, 8 Dec 2026: on
+#: CUDA DeepSeek-V2-Lite's "resident" passes had served compressed hits and misses); older ones are measured again
+PROFILE_REVISION = 8
 
 
 # ---------------------------------------------------------------------------------- identity
