@@ -343,6 +343,34 @@ def test_layout_budget_accounting_matches_the_runtime(container):
         assert lay.total_expert_full == req["expert_bytes_full"]
 
 
+def test_layout_budget_accounting_matches_the_runtime_on_cuda(container):
+    """The same on CUDA, by the runtime's own arithmetic for that device (the loader's dry pass
+    with a CUDA device runs on the CPU: it allocates nothing): the allocator's rounding of the dense
+    tensors, each expert's device buffer and staging slot, the device merge buffer. The layout
+    once missed these, and the profile's passes, sized by it, held DeepSeek's experts only 60/40
+    split between two pools (docs/planner.md, "The passes' budget")."""
+    loader = pytest.importorskip("zipmoe.runtime.engine.loader")
+    import torch
+
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.runtime.engine.settings import EngineSettings
+    from zipmoe.runtime.plan.layout import container_layout
+
+    path, _ = container
+    for workers in (1, 3):
+        with ContainerReader(path) as r:
+            req = loader._load(r, path, 1 << 62, torch.device("cuda"), None, EngineSettings(workers=workers), False, None,
+                               "bfloat16", dry=True)
+            cpu = loader._load(r, path, 1 << 62, torch.device("cpu"), None, EngineSettings(workers=workers), False, None,
+                               "bfloat16", dry=True)
+            lay = container_layout(r, "bfloat16", "cuda")
+        assert req["working_bytes"] > cpu["working_bytes"]  # (what the CPU's accounting lacks)
+        assert lay.dense_bytes == req["dense_bytes"]
+        assert lay.min_budget(workers) == req["min_budget"]
+        assert lay.scratch_bytes(workers) + (workers + 2) * lay.expert_working == req["working_bytes"]
+        assert lay.total_expert_full == req["expert_bytes_full"]
+
+
 def test_planner_check_measures_every_plan_and_keeps_partial_json(container, tmp_path, capsys):
     """The predicted-vs-measured tool behind docs/benchmarks.md §7: one row per plan, hits that
     add up to the experts each token uses, the JSON rewritten after every plan."""

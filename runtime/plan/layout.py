@@ -51,6 +51,7 @@ class ContainerLayout:
     compute_itemsize: int = 2  # bytes per value the experts compute with (bf16 2, float32 4)
     dtype: str = "bfloat16"
     chunks: list[int] | None = None  # per unit: the mean expert's stored E chunks (None: 1 each)
+    device_scratch: int = 0  # on CUDA: the device merge buffer and the ring's page rounding (runtime.engine.core._sizes)
 
     def __post_init__(self) -> None:
         if self.decode_layers is None:
@@ -72,7 +73,7 @@ class ContainerLayout:
         return {"full": full, "compressed": e + sm, "sm_only": sm, "e_only": e}
 
     def scratch_bytes(self, workers: int) -> int:
-        return max(1, workers) * 2 * self.max_segment
+        return max(1, workers) * 2 * self.max_segment + self.device_scratch
 
     def min_budget(self, workers: int) -> int:
         return self.dense_bytes + self.scratch_bytes(workers) + self.expert_working
@@ -152,10 +153,19 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     dtype_name = compute_dtype(dtype, reader.config or {})
     itemsize = ITEMSIZE[dtype_name]
     cuda = str(device).startswith("cuda")
-    # runtime.engine.core.working_bytes_of (+ the converted tensor when not bf16) and _sizes (+ staging on CUDA)
+    # runtime.engine.core.working_bytes_of (+ the converted tensor when not bf16) and, on CUDA, _sizes itself
+    # (the allocator's rounding of each expert's device buffer, its slot in the pinned staging ring, the device
+    # merge buffer): the budgets the planner and the profile's passes size must be the runtime's own
     working = max(sum(t.full_bytes + t.staging_bytes() + (itemsize * t.numel if itemsize != 2 else 0)
-                      + (t.full_bytes if cuda else 0) for t in ts) for ts in experts.values())
+                      for t in ts) for ts in experts.values())
     max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
+    device_scratch = 0
+    if cuda:
+        from zipmoe.runtime.engine.core import _sizes
+
+        as_computed = expert_tensors(reader, family, compute_itemsize=itemsize) if itemsize != 2 else experts
+        working, scratch1, _slot = _sizes(as_computed, 1, cuda=True)
+        device_scratch = scratch1 - 2 * max_seg
     decode_layers = sparse_layers
     if family.auto == "seq2seq":  # encoder layers run once per prompt, not per output token
         cfg = reader.config or {}
@@ -165,6 +175,10 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     dense = [e for e in reader.entries if e.role == "dense"]
     floating = ("BF16", "F16", "F32", "F64")
     dense_bytes = sum(e.numel * itemsize if e.dtype in floating else e.nbytes for e in dense)
+    if cuda:  # each dense tensor as the caching allocator takes it (runtime.engine.loader)
+        from zipmoe.runtime.engine.staging import cuda_block_bytes
+
+        dense_bytes = sum(cuda_block_bytes(e.numel * itemsize if e.dtype in floating else e.nbytes) for e in dense)
     dense_mm = sum(e.nbytes for e in dense if len(e.shape) == 2 and "embed" not in e.name and not e.name.endswith("shared.weight"))
     return ContainerLayout(
         path=str(reader.path), container_id=reader.container_id, file_size=reader.file_size,
@@ -173,4 +187,5 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
         units=units, expert_full_bytes=sum(u[2] for u in units), expert_working=working, max_segment=max_seg,
         total_expert_full=sum(itemsize * t.numel for ts in experts.values() for t in ts),
         decode_layers=list(decode_layers), compute_itemsize=itemsize, dtype=dtype_name, chunks=chunks,
+        device_scratch=device_scratch,
     )
