@@ -60,6 +60,21 @@ def test_a_miss_curve_that_strays_from_the_all_miss_state_is_a_warning():
     assert curve_disagreement({"per_expert_s": {"none": 0.008}}) is None  # no curve: nothing to compare
 
 
+def test_plan_warns_when_the_profiles_resident_pass_was_not_resident():
+    """The same H100 profile's resident pass: 1210 full hits, 118 compressed, 16 misses (its
+    passes' budget from the layout's estimate, short on CUDA: docs/planner.md, "The passes'
+    budget"); a clean one says nothing."""
+    from zipmoe.runtime.plan.planner import resident_warning
+
+    ds = {"runtime": {"states": {"resident": {"state_share": 0.9003, "hits": {"full": 1210, "compressed": 118, "sm_only": 0,
+                                                                               "e_only": 0, "none": 16}}}}}
+    line = resident_warning(ds)
+    assert line.startswith("warning: the profile's resident pass served 90.0% of its expert uses as full hits "
+                           "(full 1210, compressed 118, none 16)"), line
+    assert resident_warning({"runtime": {"states": {"resident": {"state_share": 1.0, "hits": {"full": 3072}}}}}) is None
+    assert resident_warning({}) is None  # an older profile that does not say
+
+
 def test_step_table_with_a_miss_curve_charges_a_lone_fetch_its_latency():
     """Measured on the CPU box: a lone miss adds more to a layer than a quarter of four misses."""
     a = {"full": 0.0, "compressed": 0.0005, "sm_only": 0.0008, "e_only": 0.0009, "none": 0.001}

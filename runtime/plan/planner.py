@@ -65,6 +65,21 @@ ASSIGNMENT = ("per sparse layer, experts by popularity rank (hottest first) fill
               "then sm_only, then e_only slots; the rest are misses")
 
 
+def resident_warning(profile: dict) -> str | None:
+    """One warning line when the profile's resident pass, the base of every per-state cost, was
+    not all full hits (the passes could not hold every expert: too little free memory, or a
+    profile of revision 7 or older on CUDA, docs/planner.md "The passes' budget"); None when it
+    was, or the profile does not say."""
+    res = ((profile.get("runtime") or {}).get("states") or {}).get("resident") or {}
+    share = res.get("state_share")
+    if share is None or share >= 0.99:
+        return None
+    hits = res.get("hits") or {}
+    return (f"warning: the profile's resident pass served {100 * share:.1f}% of its expert uses as full hits "
+            f"({', '.join(f'{k} {v}' for k, v in hits.items() if v)}): every per-state cost is measured from a step "
+            "with fetches in it, so the predictions are not to be trusted; the passes need memory for every expert whole")
+
+
 def copies_nothing(slots: dict) -> bool:
     """Whether a plan has only full and compressed slots: its host pools admit by keeping the
     read buffers, so it copies nothing on the serving thread."""
@@ -354,9 +369,9 @@ class Planner:
                          + ", ".join(f"{s} {1e3 * a[s]:.3f}" for s in POOL_ORDER)
                          + ("; a layer whose experts are all full hits runs from its CUDA graph (adds 0)"
                             if self.step_costs.get("graphs") else ""))
-            warn = curve_disagreement(self.step_costs)
-            if warn:
-                lines.append(warn)
+            for warn in (resident_warning(self.profile), curve_disagreement(self.step_costs)):
+                if warn:
+                    lines.append(warn)
             fit = self.step_costs.get("served_fit")
             if fit:
                 lines.append(f"a miss fitted to a served run at capacity ({fit['steps']} steps, {fit['capacity'] / 2**20:.0f} MiB of full tensors): "
