@@ -172,6 +172,12 @@ def test_sittings_on_two_machines_mark_each_figure_with_its_machine():
     pr = {r["engine"]: r for r in tables.build_all([old, new, ap])["tables"]["pressure"]["rows"]}
     assert pr["zipmoe"]["tpot_pressure_s"]["machine"] == "A" and pr["zipmoe"]["tpot_s"]["machine"] == "B"
     assert pr["zipmoe"]["slowdown"] is None and pr["accelerate"]["slowdown"] == pytest.approx(1.1)
+    # a later sitting that failed the engine again, otherwise: its error is the engine's state, the earlier one gone
+    again = _doc("A", [_run("zipmoe", 0.1)])
+    again["machine"], again["started"] = new["machine"], new["started"]
+    again["errors"] = [{"engine": "deepspeed", "budget": M, "error": "its NVMe offload needs 5 swap buffers"}]
+    notes = tables.build_all([old, again])["notes"]
+    assert any("swap buffers" in n for n in notes) and not any("async_io" in n for n in notes), notes
     # one machine: no letters, no such notes, the speed-up given
     one = tables.build_all([_doc("A", [_run("accelerate", 2.0), _run("zipmoe-basic", 0.2)]), _doc("A", [_run("zipmoe", 0.1)])])
     assert not any(n.startswith("[") for n in one["notes"]) and "machine" not in one["tables"]["latency"]["rows"][0]["tpot_s"]

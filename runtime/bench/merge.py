@@ -39,12 +39,15 @@ def combine(docs: list[dict]) -> dict:
 
     out = copy.deepcopy(docs[0])
     for d in docs[1:]:
-        # an earlier failure that this document's run of the engine (at that budget, or at any budget for
-        # an engine-wide one: a build that failed) has since overcome is no longer the engine's state
-        ran = {(r.get("engine"), r.get("budget")) for r in d.get("results") or [] if r.get("ok")}
+        # an earlier failure of an engine that this document tried again (at that budget, or at any budget
+        # for an engine-wide one: a build that failed) is no longer the engine's state: its run overcame it,
+        # or its own error is the state now (DeepSpeed on Switch: a build error of 4 Dec, then on 8 Dec, the
+        # build fixed, a budget too small for its swap buffers)
+        tried = {(r.get("engine"), r.get("budget")) for r in d.get("results") or [] if r.get("ok")}
+        tried |= {(e.get("engine"), e.get("budget")) for e in d.get("errors") or []}
         out["errors"] = [e for e in out.get("errors") or []
-                         if (e.get("engine"), e.get("budget")) not in ran
-                         and not (e.get("budget") is None and any(k[0] == e.get("engine") for k in ran))]
+                         if (e.get("engine"), e.get("budget")) not in tried
+                         and not (e.get("budget") is None and any(k[0] == e.get("engine") for k in tried))]
         for res in d.get("results") or []:
             key = (res.get("engine"), res.get("budget"))
             res = copy.deepcopy(res)
