@@ -562,7 +562,10 @@ paper_zipmoe() {  # paper_zipmoe TAG: at both budgets zipmoe with its plan, the 
     local half=${PAPER_HALF_ENGINES:-zipmoe zipmoe-default zipmoe-pools zipmoe-basic}
     for b in $(paper_budgets "$t"); do
         engines=(); for e in $first; do [ "$t" = sw ] && [ "$e" = zipmoe-default ] || engines+=(--engine "$e"); done
-        stage "$t-zipmoe-$b" 300 paper_bench "$t" "$b" "${engines[@]}" --batch 1 --new-tokens "$TOKENS"
+        # PAPER_ROUNDS=N: every engine N times in alternating order, each paired with the first round by round
+        # (bench --rounds; §27c: two runs of one configuration 1.25-1.36x apart on an H100 VM)
+        stage "$t-zipmoe-$b" $(( 300 * ${PAPER_ROUNDS:-1} )) paper_bench "$t" "$b" "${engines[@]}" --batch 1 --new-tokens "$TOKENS" \
+            --rounds "${PAPER_ROUNDS:-1}"
         first=$half
     done
 }
