@@ -129,19 +129,21 @@ def test_summary_shows_the_serving_threads_work_per_fetched_tensor():
     a, b = _run("zipmoe", G, 0.1), _run("zipmoe", G, 0.1)
     # 300 fetched tensors (full hits are not fetched) in each run; 60 ms of host work over both
     a["counters"] = {"hits": {"full": 700, "none": 200, "e_only": 100},
-                     "time_s": {"host": 0.024, "admit": 0.006, "predict": 0.003, "wait": 0.3},
+                     "time_s": {"host": 0.024, "admit": 0.006, "predict": 0.003, "wait": 0.3, "decode": 1.2},
                      "host_parts": {"lookup": 0.002, "issue": 0.008, "report": 0.001, "to_device": 0.001, "release": 0.002}}
     b["counters"] = {"hits": {"full": 700, "none": 300}, "time_s": {"host": 0.036, "admit": 0.006, "predict": 0.003, "wait": 0.3},
                      "host_parts": {"lookup": 0.004, "issue": 0.012, "report": 0.002, "to_device": 0.001, "release": 0.004}}
     rows = bench_report.summarize([a, b, _run("accelerate", G, 1.0)], disk_bw=None)
     h = next(r for r in rows if r["engine"] == "zipmoe")["host_work"]
     assert h["fetched"] == 300 and h["host"] == pytest.approx(100.0) and h["admit"] == pytest.approx(20.0)
+    assert h["decode"] == pytest.approx(2000.0)  # the workers' 1.2 s over both runs' 600 fetched tensors
     assert h["parts"]["issue"] == pytest.approx(100 / 3) and h["parts"]["other"] == pytest.approx(100.0 - 20.0 - 37e3 / 600)
     assert next(r for r in rows if r["engine"] == "accelerate")["host_work"] is None  # no runtime counters
     con = Console(width=250, record=True)
     assert bench_report.render_host_work(rows, console=con) is not None
     line = next(x for x in con.export_text().splitlines() if x.startswith("│zipmoe"))
     assert line.split("│")[6].strip() == "100" and line.split("│")[7].strip() == "20"  # host, admit
+    assert line.split("│")[-2].strip() == "2000"  # the decode workers' time beside it
     # a run from before the split: host and admit, the parts left blank
     del a["counters"]["host_parts"], b["counters"]["host_parts"]
     assert "parts" not in bench_report.summarize([a, b], disk_bw=None)[0]["host_work"]

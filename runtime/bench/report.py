@@ -480,14 +480,16 @@ def render_host_work(rows: list[dict], console=None):
         return None
     names = sorted({k for r in keep for k in (r["host_work"].get("parts") or {}) if k != "other"})
     t = Table(title="the serving thread's work per fetched tensor (µs)", title_justify="left", pad_edge=False)
-    cols = ["engine", "budget", "batch", "tokens", "fetched/run", "host", "admit", *names, "other", "predict", "wait"]
+    cols = ["engine", "budget", "batch", "tokens", "fetched/run", "host", "admit", *names, "other", "predict", "wait",
+            "decode (workers)"]
     for c in cols:
         t.add_column(c, justify="left" if c == "engine" else "right", no_wrap=True)
     for r in keep:
         h = r["host_work"]
         p = h.get("parts") or {}
         cells = [f"{h[k]:.0f}" for k in ("host", "admit")] + [f"{p[k]:.0f}" if k in p else "–" for k in names]
-        cells += [f"{p['other']:.0f}" if "other" in p else "–", f"{h['predict']:.0f}", f"{h['wait']:.0f}"]
+        cells += [f"{p['other']:.0f}" if "other" in p else "–", f"{h['predict']:.0f}", f"{h['wait']:.0f}",
+                  f"{h['decode']:.0f}" if h.get("decode") is not None else "–"]
         t.add_row(r["engine"], _fmt_budget(r["budget"]), str(r["batch"]), f"{r['generated']}/{r['new_tokens']}",
                   f"{h['fetched']:.0f}", *cells)
     if console is not None:

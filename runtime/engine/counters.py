@@ -266,7 +266,8 @@ HOST_WORK_STAGES = ("host", "admit", "predict", "wait")
 
 def host_work(deltas: list) -> dict | None:
     """The serving thread's work per fetched tensor over one or more counters deltas together,
-    in µs: ``host``, ``admit`` (part of it), ``predict`` and ``wait`` (beside it), ``fetched``
+    in µs: ``host``, ``admit`` (part of it), ``predict`` and ``wait`` (beside it), ``decode`` (the
+    decode workers' time, summed over them: not the serving thread's), ``fetched``
     (per delta), and ``parts`` (``host_parts``, plus ``other``: the rest of ``host`` beyond them
     and ``admit``) where the deltas have that split. None when nothing was fetched."""
     deltas = [d for d in deltas if isinstance(d, dict) and isinstance(d.get("time_s"), dict)]
@@ -275,6 +276,9 @@ def host_work(deltas: list) -> dict | None:
         return None
     out = {k: 1e6 * sum(d["time_s"].get(k) or 0.0 for d in deltas) / fetched for k in HOST_WORK_STAGES}
     out["fetched"] = fetched / len(deltas)
+    # the decode workers' decompression beside it, summed over the workers: how fast the cores ran the
+    # same work (two runs of one configuration on an H100 VM, docs/benchmarks.md §27c: 8.0 and 12.3 ms)
+    out["decode"] = 1e6 * sum(d["time_s"].get("decode") or 0.0 for d in deltas) / fetched
     split = [d["host_parts"] for d in deltas if isinstance(d.get("host_parts"), dict)]
     if split:
         parts = {k: 1e6 * sum(p.get(k) or 0.0 for p in split) / fetched for k in sorted({k for p in split for k in p})}
