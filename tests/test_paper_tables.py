@@ -182,3 +182,16 @@ def test_sittings_on_two_machines_mark_each_figure_with_its_machine():
     one = tables.build_all([_doc("A", [_run("accelerate", 2.0), _run("zipmoe-basic", 0.2)]), _doc("A", [_run("zipmoe", 0.1)])])
     assert not any(n.startswith("[") for n in one["notes"]) and "machine" not in one["tables"]["latency"]["rows"][0]["tpot_s"]
     assert {r["engine"]: r for r in one["tables"]["ablation"]["rows"]}["zipmoe"]["speedup_over_basic"] == pytest.approx(2.0)
+
+
+def test_throughput_marks_a_run_of_another_length_than_the_batchs_usual_one():
+    """Throughput takes each engine's longest run at a batch; where that is not the length the
+    batch's other runs have (a 512-token run beside 64-token ones, §27c), the cell says so (@512)."""
+    doc = _doc("A", [_run("zipmoe", 0.1, n=64), _run("zipmoe", 0.08, n=512), _run("zipmoe-basic", 0.12, n=64),
+                     _run("accelerate", 1.0, n=64)])
+    t = tables.build_all([doc])
+    thr = {r["engine"]: r["by_batch"]["1"] for r in t["tables"]["throughput"]["rows"]}
+    assert thr["zipmoe"]["new_tokens"] == 512 and "new_tokens" not in thr["zipmoe-basic"], thr
+    md = tables.markdown(t)
+    row = next(line for line in md.splitlines() if line.startswith("| zipmoe | ") and "@512" in line)
+    assert "@512" in row and "each engine's longest run at that batch" in md

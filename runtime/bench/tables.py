@@ -197,17 +197,30 @@ def build(doc: dict) -> dict:
 
     # throughput by batch
     batches = sorted({b for b, _ in cases})
+    # each batch's usual length: the one most engines and budgets ran there (ties: the longest)
+    usual = {}
+    for b in batches:
+        per = defaultdict(int)
+        for (_e, _bud, b2, n) in rows:
+            if b2 == b:
+                per[n] += 1
+        usual[b] = max(per, key=lambda n: (per[n], n)) if per else None
     thr = []
     for e in engines:
         for bud in ([None] if e == "resident" else budgets):
             cells = {}
             for b in batches:
-                # the engine's own longest generation at this batch (engines run different lengths)
+                # the engine's own longest generation at this batch (engines run different lengths); marked
+                # with its length (@N) where that is not the batch's usual one (a 512-token run beside 64s)
                 mine = [n for (ee, bb_, b2, n) in rows if ee == e and bb_ == bud and b2 == b]
                 ns = mine or [n for bb, n in cases if bb == b]
                 cells[str(b)] = _cell(status, rows, e, bud, (b, max(ns)), "tokens_per_s")
+                if cells[str(b)]["value"] is not None and max(ns) != usual[b]:
+                    cells[str(b)]["new_tokens"] = max(ns)
             thr.append({"engine": e, "budget": bud, "by_batch": cells})
-    tables["throughput"] = {"title": "throughput (output tokens/s) by batch size", "batches": batches, "rows": thr}
+    tables["throughput"] = {"title": "throughput (output tokens/s) by batch size (each engine's longest run at that batch; "
+                                     "@N: a run of N new tokens where the batch's others ran another length)",
+                            "batches": batches, "rows": thr}
 
     # end-to-end latency by new tokens, batch 1 (or the smallest batch)
     lens = sorted({n for b, n in cases if b == bt}) if bt is not None else []
