@@ -352,8 +352,9 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     # again would not help, and the line says why instead of asking for `zipmoe plan`
     save_profile({k: v for k, v in prof.items() if k != "step_costs"}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     plan4, line4 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
-    assert line4 == ("default plan: full tensors only (the profile has no costs served on this model: its serving passes run "
-                     "the decoder-only loop)") and plan4["pools"]["compressed"] == 0, line4
+    assert line4 == ("default plan: full tensors only (the profile has no per-state costs served on this model: an "
+                     "encoder-decoder's pass serves only the resident step, through model.generate)") \
+        and plan4["pools"]["compressed"] == 0, line4
     save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     # a corrupt statistics file: a warning line, then the prior
     (tmp_path / "stats" / f"{cid}.json").write_text("]")
@@ -402,6 +403,29 @@ def test_a_failing_beside_pass_costs_only_beta(container, monkeypatch):
     sc = out["step_costs"]
     assert set(sc["per_expert_s"]) == set(POOL_ORDER) and "miss_curve_s" in sc
     assert "compressed_beside_misses_s" not in sc
+
+
+def test_encoder_decoder_runtime_pass_times_generate_with_every_expert_resident(tmp_path):
+    """SwitchTransformers: the decode loop does not serve it, so its runtime pass runs
+    ``model.generate`` teacher-forced with every expert resident and measures the step outside the
+    sparse layers (what the plan lacked: 7.5 ms predicted for 23.9 ms on an H100, §27c); the
+    profile's costs then carry it, and the planner's schedule model charges it."""
+    synth = pytest.importorskip("zipmoe.runtime.synth.writer")
+    from zipmoe.codecs.reader import ContainerReader
+    from zipmoe.codecs.writer import pack
+    from zipmoe.runtime.plan.layout import container_layout
+    from zipmoe.runtime.plan.passes import measure_runtime
+
+    synth.write("switch_transformers", tmp_path / "ck", preset="tiny", progress=False)
+    pack(tmp_path / "ck", tmp_path / "m.zmoe")
+    with ContainerReader(tmp_path / "m.zmoe") as r:
+        layout = container_layout(r, "bfloat16", "cpu")
+    out = measure_runtime(tmp_path / "m.zmoe", layout, "cpu", workers=1, tokens=4, warmup=2)
+    assert "generate" in out["workload"] and out["all_experts_resident"] and out["tokens"] == 4
+    assert out["hits"]["full"] > 0 and sum(v for k, v in out["hits"].items() if k != "full") == 0, out["hits"]
+    assert out["dense_s_per_token"] > 0 and out["tpot_s"] >= out["dense_s_per_token"]
+    assert out["compute_s_per_expert"] > 0 and out["layer_overhead_s"] >= 0
+    assert "states" not in out and "step_costs" not in out  # no per-state passes for this family
 
 
 def test_passes_load_every_expert_whole_where_the_layout_undercounts(container):

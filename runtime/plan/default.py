@@ -137,7 +137,8 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
         return None
     if not prof.get("step_costs"):
         if why is not None:
-            why.append("the profile has no costs served on this model: its serving passes run the decoder-only loop")
+            why.append("the profile has no per-state costs served on this model: an encoder-decoder's pass serves "
+                       "only the resident step, through model.generate")
         return None
     if readers is not None and prof.get("disk", {}).get("readers") != readers:
         return None

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["measure_runtime", "runtime_for_passes", "resident_budget", "holds_every_expert", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "generate_pass", "runtime_for_passes", "resident_budget", "holds_every_expert", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -530,6 +530,57 @@ def runtime_for_passes(path, layout, device: str, workers: int, load_options: di
         torch.set_num_threads(old)
 
 
+def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens: int, warmup: int) -> dict:
+    """The runtime pass of an encoder-decoder (SwitchTransformers), which the decode loop does not
+    serve: ``model.generate`` teacher-forced on the corpus with every expert resident (the encoder
+    once, then the decoder per token, as serving runs it), twice (the first admits what the stream
+    uses), the decode steps of the second timed (``DecodeClock``). Gives the step's measured time
+    outside the sparse layers (``dense_s_per_token``: ``generate``'s own work per step, which the
+    micro-benchmarks' estimate lacked: on an H100 the plan predicted 7.5 ms for Switch's 23.9 ms
+    steps, docs/benchmarks.md §27c), the expert compute per call and the per-layer overhead. No
+    per-state passes: the planner keeps its schedule model for this family, charged with these."""
+    import statistics
+
+    import torch
+
+    from zipmoe.runtime.engine.counters import DecodeClock
+    from zipmoe.runtime.engine.loop import generate_ids
+
+    n = warmup + tokens + 1  # (the first new token is the prefill's; n - 1 decode steps, the last ``tokens`` timed)
+    prompt, forced = forced_stream(tok, cfg, n)
+    ids = prompt.to(model.device)
+    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+
+    def run(clock=None):
+        with torch.inference_mode():
+            generate_ids(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         streamer=clock, pad_token_id=pad, forced=[forced])
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    run()  # admits what the stream uses
+    clock = DecodeClock(rt.counters)
+    run(clock)
+    steps = clock.steps()[warmup:] or clock.steps()
+    d = clock.delta()
+    step = float(statistics.median(steps)) if steps else None
+    fig = _layer_figures(d)
+    calls = max(1, int(d["expert_calls"]))
+    n_steps = max(1, len(clock.steps()))
+    sparse = sum(v[0] for v in d["layer_makespan_s"].values()) / n_steps  # per decode step
+    compute = float(d["time_s"]["compute"]) / calls
+    out = {
+        "budget": budget, "all_experts_resident": resident, "tokens": len(steps), "tpot_s": step,
+        "compute_s_per_expert": compute, "layer_makespan_s": fig["layer_makespan_s"],
+        "sparse_s_per_step": sparse, "dense_s_per_token": max(0.0, step - sparse) if step is not None else None,
+        "torch_threads": torch.get_num_threads(), "workload": "corpus (teacher-forced, model.generate: encoder-decoder)",
+        "window": rt.window, "hits": dict(d["hits"]),
+    }
+    if resident and fig["sparse_layers_per_step"]:
+        out["layer_overhead_s"] = max(0.0, fig["layer_makespan_s"] - fig["experts_per_layer"] * compute)
+    return out
+
+
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
                     miss_tokens: int = 8, load_options: dict | None = None, served_tokens: int = 64,
                     served_share: float = 0.25) -> dict:
@@ -557,6 +608,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         rt = model.zipmoe
         resident = holds_every_expert(rt)
         cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+        if getattr(model.config, "is_encoder_decoder", False):
+            return generate_pass(model, rt, tok, cfg, budget, resident, tokens, warmup)
         prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
         warm, timed = forced[:warmup], forced[warmup:warmup + tokens]
         graphs = rt.device.type == "cuda" and rt.slots is not None
