@@ -123,6 +123,15 @@ def _per_token_cells(status: dict, rows: dict, engine: str, budget, case: tuple,
     return {m: _cell(status, rows, engine, budget, case, m) for m in metrics}
 
 
+def _usual_length(rows: dict, batch) -> int | None:
+    """The new tokens most engines and budgets ran at ``batch`` (ties: the longest); None when none ran it."""
+    counts = defaultdict(int)
+    for (_e, _bud, b, n) in rows:
+        if b == batch:
+            counts[n] += 1
+    return max(counts, key=lambda n: (counts[n], n)) if counts else None
+
+
 def _index(summary: list[dict]) -> dict:
     return {(r["engine"], r.get("budget"), r["batch"], r["new_tokens"]): r for r in summary}
 
@@ -180,11 +189,9 @@ def build(doc: dict) -> dict:
     # that did not run it shows its own longest batch-1 run, its length in the cell (TPOT is per token)
     b1 = [n for b, n in cases if b == 1]
     bt = 1 if b1 else (min(b for b, _ in cases) if cases else None)
-    counts = defaultdict(int)
-    for (e, bud, b, n) in rows:
-        if b == bt:
-            counts[n] += 1
-    nt = max(counts, key=lambda n: (counts[n], n)) if counts else (max(n for _, n in cases) if cases else None)
+    nt = _usual_length(rows, bt)
+    if nt is None:
+        nt = max(n for _, n in cases) if cases else None
     lat = []
     for e in engines:
         for bud in ([None] if e == "resident" else budgets):
@@ -197,14 +204,7 @@ def build(doc: dict) -> dict:
 
     # throughput by batch
     batches = sorted({b for b, _ in cases})
-    # each batch's usual length: the one most engines and budgets ran there (ties: the longest)
-    usual = {}
-    for b in batches:
-        per = defaultdict(int)
-        for (_e, _bud, b2, n) in rows:
-            if b2 == b:
-                per[n] += 1
-        usual[b] = max(per, key=lambda n: (per[n], n)) if per else None
+    usual = {b: _usual_length(rows, b) for b in batches}
     thr = []
     for e in engines:
         for bud in ([None] if e == "resident" else budgets):

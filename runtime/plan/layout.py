@@ -153,19 +153,15 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
     dtype_name = compute_dtype(dtype, reader.config or {})
     itemsize = ITEMSIZE[dtype_name]
     cuda = str(device).startswith("cuda")
-    # runtime.engine.core.working_bytes_of (+ the converted tensor when not bf16) and, on CUDA, _sizes itself
-    # (the allocator's rounding of each expert's device buffer, its slot in the pinned staging ring, the device
-    # merge buffer): the budgets the planner and the profile's passes size must be the runtime's own
-    working = max(sum(t.full_bytes + t.staging_bytes() + (itemsize * t.numel if itemsize != 2 else 0)
-                      for t in ts) for ts in experts.values())
-    max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
-    device_scratch = 0
-    if cuda:
-        from zipmoe.runtime.engine.core import _sizes
+    # the runtime's own arithmetic (runtime.engine.core._sizes: working_bytes_of, the converted tensor when not
+    # bf16; on CUDA the allocator's rounding of each expert's device buffer, its slot in the pinned staging ring
+    # and the device merge buffer): the budgets the planner and the profile's passes size must be the runtime's
+    from zipmoe.runtime.engine.core import _sizes
 
-        as_computed = expert_tensors(reader, family, compute_itemsize=itemsize) if itemsize != 2 else experts
-        working, scratch1, _slot = _sizes(as_computed, 1, cuda=True)
-        device_scratch = scratch1 - 2 * max_seg
+    as_computed = expert_tensors(reader, family, compute_itemsize=itemsize) if itemsize != 2 else experts
+    working, scratch1, _slot = _sizes(as_computed, 1, cuda=cuda)
+    max_seg = max(s.numel for ts in experts.values() for t in ts for s in t.segments)
+    device_scratch = scratch1 - 2 * max_seg  # (0 on the CPU: one worker's decode scratch is all)
     decode_layers = sparse_layers
     if family.auto == "seq2seq":  # encoder layers run once per prompt, not per output token
         cfg = reader.config or {}
@@ -174,11 +170,11 @@ def container_layout(reader, dtype: str = "bfloat16", device: str = "cpu") -> Co
             decode_layers = [l for l in sparse_layers if l >= n_enc] or sparse_layers
     dense = [e for e in reader.entries if e.role == "dense"]
     floating = ("BF16", "F16", "F32", "F64")
-    dense_bytes = sum(e.numel * itemsize if e.dtype in floating else e.nbytes for e in dense)
-    if cuda:  # each dense tensor as the caching allocator takes it (runtime.engine.loader)
-        from zipmoe.runtime.engine.staging import cuda_block_bytes
+    from zipmoe.runtime.engine.staging import cuda_block_bytes
 
-        dense_bytes = sum(cuda_block_bytes(e.numel * itemsize if e.dtype in floating else e.nbytes) for e in dense)
+    sizes = [e.numel * itemsize if e.dtype in floating else e.nbytes for e in dense]
+    # on CUDA each dense tensor as the caching allocator takes it (runtime.engine.loader)
+    dense_bytes = sum(cuda_block_bytes(n) for n in sizes) if cuda else sum(sizes)
     dense_mm = sum(e.nbytes for e in dense if len(e.shape) == 2 and "embed" not in e.name and not e.name.endswith("shared.weight"))
     return ContainerLayout(
         path=str(reader.path), container_id=reader.container_id, file_size=reader.file_size,

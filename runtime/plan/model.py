@@ -150,7 +150,9 @@ def curve_disagreement(step_costs: dict) -> str | None:
     than :data:`CURVE_AGREEMENT`: the miss curve's point at ``k`` against ``k`` times the all-miss
     state's cost per miss. They agreed within 10% in every GPU profile of docs/benchmarks.md but one
     (§27b, an H100, DeepSeek's shape: 36.3 ms against 50.8, and the plan built on the curve was
-    2.2x short of its run); None when they agree or either is missing."""
+    2.2x short of its run; its passes had not held every expert, docs/planner.md "The passes'
+    budget", and the clean profile of §27c agreed within 1.15x); None when they agree or either is
+    missing."""
     curve = {int(j): float(v) for j, v in (step_costs.get("miss_curve_s") or {}).items()}
     miss = float((step_costs.get("per_expert_s") or {}).get("none") or 0.0)
     if not curve or miss <= 0:

@@ -474,11 +474,12 @@ def host_state_passes(model, rt, prompt, stream, graphs: bool) -> dict:
 
 def resident_budget(path, layout, device: str, workers: int) -> int:
     """The budget whose full pool holds every expert whole, by the runtime's own arithmetic
-    (runtime/engine/loader.py ``requirements`` on ``device``: on CUDA the caching allocator's
-    rounding of every dense tensor, the staging ring, the device merge buffer), with one expert's
-    working bytes to spare for the slot arenas' rounding; never less than the layout's estimate.
+    (runtime/engine/loader.py ``requirements`` on ``device``), with one expert's working bytes to
+    spare for the slot arenas' rounding; never less than the layout's estimate. The layout counts
+    what the runtime counts on CUDA too (layout.container_layout); the loader adds what a layout
+    cannot see, the modules the model class keeps in float32.
 
-    The layout's estimate alone (no CUDA rounding) left the pools of DeepSeek-V2-Lite's shapes
+    The layout's estimate without CUDA's rounding left the pools of DeepSeek-V2-Lite's shapes
     (8 layers) about 14 MB short of every expert on the GPU: its shared experts are 11 MiB
     tensors, each rounded to 12 MiB, 21 of them. The runtime then split the budget 60/40 between
     the full and compressed pools, and every "resident" pass of docs/benchmarks.md §27 and §27b
@@ -530,11 +531,11 @@ def runtime_for_passes(path, layout, device: str, workers: int, load_options: di
         torch.set_num_threads(old)
 
 
-def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens: int, warmup: int) -> dict:
+def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens: int) -> dict:
     """The runtime pass of an encoder-decoder (SwitchTransformers), which the decode loop does not
     serve: ``model.generate`` teacher-forced on the corpus with every expert resident (the encoder
     once, then the decoder per token, as serving runs it), twice (the first admits what the stream
-    uses), the decode steps of the second timed (``DecodeClock``). Gives the step's measured time
+    uses), every decode step of the second timed (``DecodeClock``). Gives the step's measured time
     outside the sparse layers (``dense_s_per_token``: ``generate``'s own work per step, which the
     micro-benchmarks' estimate lacked: on an H100 the plan predicted 7.5 ms for Switch's 23.9 ms
     steps, docs/benchmarks.md §27c), the expert compute per call and the per-layer overhead. No
@@ -546,7 +547,7 @@ def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens
     from zipmoe.runtime.engine.counters import DecodeClock
     from zipmoe.runtime.engine.loop import generate_ids
 
-    n = warmup + tokens + 1  # (the first new token is the prefill's; n - 1 decode steps, the last ``tokens`` timed)
+    n = tokens + 1  # (the first new token is the prefill's: ``tokens`` decode steps)
     prompt, forced = forced_stream(tok, cfg, n)
     ids = prompt.to(model.device)
     pad = getattr(tok, "pad_token_id", None) if tok is not None else None
@@ -558,16 +559,15 @@ def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
 
-    run()  # admits what the stream uses
+    run()  # admits what the stream uses: the second run's steps are all resident
     clock = DecodeClock(rt.counters)
     run(clock)
-    steps = clock.steps()[warmup:] or clock.steps()
-    d = clock.delta()
+    steps = clock.steps()
+    d = clock.delta()  # (the same steps)
     step = float(statistics.median(steps)) if steps else None
     fig = _layer_figures(d)
     calls = max(1, int(d["expert_calls"]))
-    n_steps = max(1, len(clock.steps()))
-    sparse = sum(v[0] for v in d["layer_makespan_s"].values()) / n_steps  # per decode step
+    sparse = sum(v[0] for v in d["layer_makespan_s"].values()) / max(1, len(steps))  # per decode step
     compute = float(d["time_s"]["compute"]) / calls
     out = {
         "budget": budget, "all_experts_resident": resident, "tokens": len(steps), "tpot_s": step,
@@ -609,7 +609,7 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         resident = holds_every_expert(rt)
         cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
         if getattr(model.config, "is_encoder_decoder", False):
-            return generate_pass(model, rt, tok, cfg, budget, resident, tokens, warmup)
+            return generate_pass(model, rt, tok, cfg, budget, resident, tokens)
         prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
         warm, timed = forced[:warmup], forced[warmup:warmup + tokens]
         graphs = rt.device.type == "cuda" and rt.slots is not None
