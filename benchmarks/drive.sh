@@ -1286,6 +1286,9 @@ for n in "${args[@]}"; do
     is_suite "$n" || in_list "$n" "$HL_STAGES" || { echo "drive: unknown suite or stage '$n' (--list, --stages)" >&2; exit 2; }
 done
 [ ${#args[@]} -gt 0 ] && [ "${args[0]}" != -- ] || { echo "drive: name a suite (--list)" >&2; exit 2; }
+case "${PAPER_ROUNDS:-1}" in  # (checked before anything starts: a detached run would only log it)
+    ''|*[!0-9]*|0) echo "drive: PAPER_ROUNDS must be a whole number of rounds, 1 or more (got '${PAPER_ROUNDS}')" >&2; exit 2 ;;
+esac
 
 case "$verb" in
     run)
