@@ -556,12 +556,11 @@ paper_zipmoe() {  # paper_zipmoe TAG: at both budgets zipmoe with its plan, the 
     # (zipmoe-default: the profile and the calibration's routing, recorded by paper_plan), the pools' default split
     # (zipmoe-pools) and full tensors only (zipmoe-basic); the plan without prefetch (zipmoe-noprefetch) at the smaller.
     # PAPER_FIRST_ENGINES: those at the smaller budget (default all five); PAPER_HALF_ENGINES: those at the larger
-    # (default all but zipmoe-noprefetch). Switch (encoder-decoder) leaves zipmoe-default out: its profile has no
-    # served costs, so its default is full tensors only, zipmoe-basic's plan.
+    # (default all but zipmoe-noprefetch).
     local t=$1 b e engines=() first=${PAPER_FIRST_ENGINES:-zipmoe zipmoe-noprefetch zipmoe-default zipmoe-pools zipmoe-basic}
     local half=${PAPER_HALF_ENGINES:-zipmoe zipmoe-default zipmoe-pools zipmoe-basic}
     for b in $(paper_budgets "$t"); do
-        engines=(); for e in $first; do [ "$t" = sw ] && [ "$e" = zipmoe-default ] || engines+=(--engine "$e"); done
+        engines=(); for e in $first; do engines+=(--engine "$e"); done
         # PAPER_ROUNDS=N: every engine N times in alternating order, each paired with the first round by round
         # (bench --rounds; §27c: two runs of one configuration 1.25-1.36x apart on an H100 VM)
         stage "$t-zipmoe-$b" $(( 300 * ${PAPER_ROUNDS:-1} )) paper_bench "$t" "$b" "${engines[@]}" --batch 1 --new-tokens "$TOKENS" \

@@ -348,12 +348,14 @@ def test_default_plan_is_full_only_without_a_profile_then_fitted_from_it(contain
     # nor one measured before the admission rate was (revision 4): its mixes would not be charged for it
     save_profile({**prof, "revision": 3}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     assert "no current profile of this machine and file cached" in default_plan(path, budget, "cpu", 1, tmp_path, readers=4)[1]
-    # a current profile without served costs (an encoder-decoder's passes do not serve it): measuring
-    # again would not help, and the line says why instead of asking for `zipmoe plan`
-    save_profile({k: v for k, v in prof.items() if k != "step_costs"}, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
+    # a current profile without served costs (its passes failed: ``serving_error``): the line says
+    # why, and measuring again is what `zipmoe plan --remeasure` does
+    save_profile({**{k: v for k, v in prof.items() if k != "step_costs"},
+                  "runtime": {**prof.get("runtime", {}), "serving_error": "RuntimeError: boom"}},
+                 default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     plan4, line4 = default_plan(path, budget, "cpu", 1, tmp_path, readers=4)
-    assert line4 == ("default plan: full tensors only (the profile has no per-state costs served on this model: an "
-                     "encoder-decoder's pass serves only the resident step, through model.generate)") \
+    assert line4.startswith("default plan: full tensors only (the cached profile has no per-state costs: its served "
+                            "passes failed (RuntimeError: boom);") and "--remeasure" in line4 \
         and plan4["pools"]["compressed"] == 0, line4
     save_profile(prof, default_profile_path(cid, "cpu", "bfloat16", cache_dir=tmp_path))
     # a corrupt statistics file: a warning line, then the prior
@@ -405,27 +407,82 @@ def test_a_failing_beside_pass_costs_only_beta(container, monkeypatch):
     assert "compressed_beside_misses_s" not in sc
 
 
-def test_encoder_decoder_runtime_pass_times_generate_with_every_expert_resident(tmp_path):
-    """SwitchTransformers: the decode loop does not serve it, so its runtime pass runs
-    ``model.generate`` teacher-forced with every expert resident and measures the step outside the
-    sparse layers (what the plan lacked: 7.5 ms predicted for 23.9 ms on an H100, §27c); the
-    profile's costs then carry it, and the planner's schedule model charges it."""
+@pytest.fixture(scope="module")
+def switch_container(tmp_path_factory):
+    """A tiny SwitchTransformers (encoder-decoder, top-1) packed: ``(path, layout)``."""
     synth = pytest.importorskip("zipmoe.runtime.synth.writer")
     from zipmoe.codecs.reader import ContainerReader
     from zipmoe.codecs.writer import pack
     from zipmoe.runtime.plan.layout import container_layout
+
+    d = tmp_path_factory.mktemp("switch")
+    synth.write("switch_transformers", d / "ck", preset="tiny", progress=False)
+    pack(d / "ck", d / "m.zmoe")
+    with ContainerReader(d / "m.zmoe") as r:
+        return d / "m.zmoe", container_layout(r, "bfloat16", "cpu")
+
+
+def test_encoder_decoder_stream_feeds_the_forced_tokens_through_generate(switch_container):
+    """An encoder-decoder is served by ``model.generate`` (the encoder once, the decoder per token),
+    which the decode loop does not run: the passes' stream drives generate instead, and each timed
+    step is fed the token the decode loop's step would be (``forced[i]``), with ``between_steps``
+    before each timed step and the routing recorded per step, the first decoder step first."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    import torch
+
+    from zipmoe.runtime.plan import passes as P
+
+    path, layout = switch_container
+    forced = [7, 11, 13, 17]
+    with P.runtime_for_passes(path, layout, "cpu", 1) as (model, _tok, _budget, _want):
+        rt = model.zipmoe
+        fed: list = []
+        hook = model.get_decoder().register_forward_pre_hook(
+            lambda _m, args, kw: fed.append((kw.get("input_ids") if kw.get("input_ids") is not None else args[0]).tolist()),
+            with_kwargs=True)
+        calls: list = []
+        routing: list = []
+        prompt = torch.tensor([[5, 6, 8, 9, 10]])
+        try:
+            times, d = P._run_stream(model, rt, prompt, forced, between_steps=lambda: calls.append(len(fed)),
+                                     routing=routing)
+        finally:
+            hook.remove()
+    assert len(times) == len(forced) and all(t > 0 for t in times)
+    # decoder step 1 is fed the start token; timed step i (decoder step i + 2) the forced token i
+    assert [f[0][-1] for f in fed] == [model.config.decoder_start_token_id, *forced]
+    assert calls == [1, 2, 3, 4]  # before each timed step, after the step before it
+    sparse = len(layout.decode_layers)
+    assert len(routing) == 1 + len(forced) and all(len(r) == sparse for r in routing[1:])
+    assert d["layer_calls"] == sparse * len(forced)  # the counters cover the timed steps alone
+    assert P.routing_of(model, rt, prompt, forced) == routing[1:]  # the same stream routes the same
+
+
+def test_encoder_decoder_passes_serve_every_state(switch_container):
+    """SwitchTransformers' profile: every served pass, through ``model.generate`` (before, its
+    profile had the resident step alone, and the planner predicted 0.23-0.31x the H100's measured
+    steps, docs/benchmarks.md §27c): each state's pass in its state, the per-state costs and the
+    misses fitted to a served run; top-1, so no pass of compressed hits beside misses (β)."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
     from zipmoe.runtime.plan.passes import measure_runtime
 
-    synth.write("switch_transformers", tmp_path / "ck", preset="tiny", progress=False)
-    pack(tmp_path / "ck", tmp_path / "m.zmoe")
-    with ContainerReader(tmp_path / "m.zmoe") as r:
-        layout = container_layout(r, "bfloat16", "cpu")
-    out = measure_runtime(tmp_path / "m.zmoe", layout, "cpu", workers=1, tokens=4, warmup=2)
+    path, layout = switch_container
+    out = measure_runtime(path, layout, "cpu", workers=1, tokens=4, warmup=2, miss_tokens=3, served_tokens=16)
+    assert "serving_error" not in out, out.get("serving_error")
     assert "generate" in out["workload"] and out["all_experts_resident"] and out["tokens"] == 4
-    assert out["hits"]["full"] > 0 and sum(v for k, v in out["hits"].items() if k != "full") == 0, out["hits"]
-    assert out["dense_s_per_token"] > 0 and out["tpot_s"] >= out["dense_s_per_token"]
-    assert out["compute_s_per_expert"] > 0 and out["layer_overhead_s"] >= 0
-    assert "states" not in out and "step_costs" not in out  # no per-state passes for this family
+    states = out["states"]
+    assert states["resident"]["state_share"] == 1.0, states["resident"]["hits"]
+    assert out["dense_s_per_token"] > 0 and out["compute_s_per_expert"] > 0 and out["layer_overhead_s"] >= 0
+    for s in ("compressed", "sm_only", "e_only", "none"):
+        assert states[s]["experts_per_layer"] == layout.top_k == 1
+        assert states[s]["state_share"] >= 0.9, (s, states[s]["hits"])
+    assert states["none"]["reads"] > 0 and states["admit"]["fetched"] == states["none"]["fetched"]
+    assert states["misses_1"]["miss_share"] == pytest.approx(1.0, abs=0.1)
+    assert "compressed_beside_misses" not in states  # top-1
+    sc = out["step_costs"]
+    assert set(sc["per_expert_s"]) == set(POOL_ORDER) and list(sc["miss_curve_s"]) == ["1"]
+    assert states["served"]["hits"]["none"] > 0 and "served_fit" in sc
+    json.dumps(out)
 
 
 def test_passes_load_every_expert_whole_where_the_layout_undercounts(container):

@@ -118,7 +118,7 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
     """The profile with served state costs (``step_costs``) that fits this machine, file, device and
     dtype (and reader count, when given): ``profile_path`` when given, else the cache's; None when
     there is none, it is stale or it cannot be read. ``why``: a list that gets the reason when a
-    profile that fits has no served costs (an encoder-decoder's: its passes serve decoder-only)."""
+    profile that fits has no served costs (its served passes failed, or the runtime did not run)."""
     from zipmoe.errors import ZipmoeError
     from zipmoe.runtime.plan.profile import PROFILE_REVISION, check_profile, default_profile_path, load_profile
 
@@ -137,8 +137,11 @@ def find_profile(path, container_id: str, device: str, dtype: str, cache_dir, *,
         return None
     if not prof.get("step_costs"):
         if why is not None:
-            why.append("the profile has no per-state costs served on this model: an encoder-decoder's pass serves "
-                       "only the resident step, through model.generate")
+            rt = prof.get("runtime") or {}
+            failed = rt.get("serving_error") or rt.get("error")
+            why.append("the cached profile has no per-state costs: "
+                       + (f"its served passes failed ({failed}); " if failed else "it was measured without the served passes; ")
+                       + f"`zipmoe plan {Path(path).name} --remeasure` measures again")
         return None
     if readers is not None and prof.get("disk", {}).get("readers") != readers:
         return None
@@ -170,7 +173,7 @@ def default_plan(path, budget: int, device: str, workers: int, cache_dir, *, rea
         return None, "default plan: every expert fits as a full tensor"
     why: list = []
     prof = find_profile(path, cid, device, dtype, cache_dir, profile_path=profile_path, readers=readers, why=why)
-    if prof is None and why:  # an encoder-decoder: measuring again would not help
+    if prof is None and why:  # a current profile without served costs: the line says why
         return full_only_plan(layout, budget, workers), f"default plan: full tensors only ({why[0]})"
     if prof is None:
         return (full_only_plan(layout, budget, workers),

@@ -4,7 +4,8 @@ What a micro-benchmark cannot give (plan/profile.py says how each figure is used
 feeds the same teacher-forced token stream (runtime/plan/workload.py: natural text, so the
 routing does not fall into the loop greedy decoding of a random-weight model falls into) through
 the runtime's own decode loop (runtime/engine/loop.py ``DecodeLoop``: prefill, then one
-``step`` per token, the device synchronised after each) and reads the step times and the
+``step`` per token, the device synchronised after each; an encoder-decoder, which the loop does
+not serve, through ``model.generate``: :func:`_generate_stream`) and reads the step times and the
 runtime's counters:
 
 * ``resident``: every expert in the full pool (when that fits), sparse blocks from their CUDA
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["measure_runtime", "generate_pass", "runtime_for_passes", "resident_budget", "holds_every_expert", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
+__all__ = ["measure_runtime", "runtime_for_passes", "resident_budget", "holds_every_expert", "state_pass", "served_pass", "served_miss_scale", "served_beta_fit", "state_step_costs", "forced_stream", "STATE_PASSES"]
 
 #: the passes :func:`measure_runtime` serves, in order (``full_host`` only where graphs exist)
 STATE_PASSES = ("resident", "full_host", "compressed", "sm_only", "e_only", "none")
@@ -74,16 +75,83 @@ def _pass_loop(model, rt, need: int, batch: int = 1):
     return loop
 
 
+class _GenerateSteps:
+    """``model.generate``'s streamer for the passes of an encoder-decoder: what
+    :func:`_run_stream` does around each decode-loop step, done between generate's steps.
+    ``generate`` puts the decoder's start ids once the encoder has run, then each step's new
+    token: the first decoder step (the "prefill", its token the prompt's answer) runs between
+    the first two puts, timed step ``i`` between puts ``i + 2`` and ``i + 3``."""
+
+    def __init__(self, rt, steps: int, between_steps=None, routing: list | None = None) -> None:
+        self.rt, self.want, self.between, self.routing = rt, steps, between_steps, routing
+        self.log = rt.counters.log_uses if routing is not None else (lambda on: None)
+        self.cuda = rt.device.type == "cuda"
+        self.puts, self.t0, self.times, self.before = 0, 0.0, [], None
+
+    def put(self, _value) -> None:
+        import torch
+
+        self.puts += 1
+        if self.puts > 1:  # a decoder step has just ended
+            if self.cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if self.puts == 2:
+                self.before = self.rt.counters.snapshot()
+            else:
+                self.times.append(now - self.t0)
+            if self.routing is not None:
+                self.routing.append(list(self.log(False) or []))
+        if self.puts >= 2 and len(self.times) >= self.want:
+            return  # (generate's last put: no step follows)
+        if self.puts >= 2 and self.between is not None:
+            self.between()
+        self.log(True)
+        self.t0 = time.perf_counter()
+
+    def end(self) -> None:
+        self.log(False)
+
+
+def _generate_stream(model, rt, prompt, forced, *, between_steps=None, routing: list | None = None) -> tuple[list[float], dict]:
+    """:func:`_run_stream` for an encoder-decoder, which serves through ``model.generate`` (the
+    encoder once, then the decoder per token): ``forced[i]`` is made the token of decoder step
+    ``i + 1`` (``ForcedTokens``), so step ``i + 2``, timed step ``i``, is fed ``forced[i]`` as
+    the decode loop's step would be. ``between_steps`` runs before each timed step."""
+    import torch
+
+    from zipmoe.runtime.engine.counters import delta
+    from zipmoe.runtime.engine.loop import generate_ids
+
+    rows: list[list[int]] = [[] for _ in range(int(prompt.shape[0]))]
+    for t in forced:  # per step: an int (one row) or one per row
+        for r, v in enumerate(t if isinstance(t, (list, tuple)) else [t]):
+            rows[r].append(int(v))
+    rows = [r + r[-1:] for r in rows]  # (the last timed step's own token, never fed)
+    n = len(rows[0])
+    clock = _GenerateSteps(rt, len(forced), between_steps, routing)
+    ids = prompt.to(rt.device)
+    with torch.inference_mode():
+        generate_ids(model, ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=n, min_new_tokens=n,
+                     streamer=clock, forced=rows)
+    if clock.before is None:
+        raise RuntimeError("model.generate ran no decoder step")
+    return clock.times, delta(rt.counters.snapshot(), clock.before)
+
+
 def _run_stream(model, rt, prompt, forced, *, between_steps=None, routing: list | None = None) -> tuple[list[float], dict]:
     """Prefill ``prompt`` (``[rows, p]``), then feed ``forced`` one token per step (an int, or a
     list of one per row) through the runtime's decode loop of that many rows; returns each step's
     wall time (device synchronised) and the counters' delta of the steps.
     ``routing``: a list that receives, per token (the prefill first), its layer calls
-    ``(layer, experts)`` as bench records them (the counters' ``log_uses``)."""
+    ``(layer, experts)`` as bench records them (the counters' ``log_uses``). An encoder-decoder
+    is served through ``model.generate`` instead (:func:`_generate_stream`)."""
     import torch
 
     from zipmoe.runtime.engine.counters import delta
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        return _generate_stream(model, rt, prompt, forced, between_steps=between_steps, routing=routing)
     loop = _pass_loop(model, rt, int(prompt.shape[1]) + len(forced) + 1, batch=int(prompt.shape[0]))
     cuda = rt.device.type == "cuda"
     log = rt.counters.log_uses if routing is not None else (lambda on: None)
@@ -531,56 +599,6 @@ def runtime_for_passes(path, layout, device: str, workers: int, load_options: di
         torch.set_num_threads(old)
 
 
-def generate_pass(model, rt, tok, cfg: dict, budget: int, resident: bool, tokens: int) -> dict:
-    """The runtime pass of an encoder-decoder (SwitchTransformers), which the decode loop does not
-    serve: ``model.generate`` teacher-forced on the corpus with every expert resident (the encoder
-    once, then the decoder per token, as serving runs it), twice (the first admits what the stream
-    uses), every decode step of the second timed (``DecodeClock``). Gives the step's measured time
-    outside the sparse layers (``dense_s_per_token``: ``generate``'s own work per step, which the
-    micro-benchmarks' estimate lacked: on an H100 the plan predicted 7.5 ms for Switch's 23.9 ms
-    steps, docs/benchmarks.md §27c), the expert compute per call and the per-layer overhead. No
-    per-state passes: the planner keeps its schedule model for this family, charged with these."""
-    import statistics
-
-    import torch
-
-    from zipmoe.runtime.engine.counters import DecodeClock
-    from zipmoe.runtime.engine.loop import generate_ids
-
-    n = tokens + 1  # (the first new token is the prefill's: ``tokens`` decode steps)
-    prompt, forced = forced_stream(tok, cfg, n)
-    ids = prompt.to(model.device)
-    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-
-    def run(clock=None):
-        with torch.inference_mode():
-            generate_ids(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         streamer=clock, pad_token_id=pad, forced=[forced])
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    run()  # admits what the stream uses: the second run's steps are all resident
-    clock = DecodeClock(rt.counters)
-    run(clock)
-    steps = clock.steps()
-    d = clock.delta()  # (the same steps)
-    step = float(statistics.median(steps)) if steps else None
-    fig = _layer_figures(d)
-    calls = max(1, int(d["expert_calls"]))
-    sparse = sum(v[0] for v in d["layer_makespan_s"].values()) / max(1, len(steps))  # per decode step
-    compute = float(d["time_s"]["compute"]) / calls
-    out = {
-        "budget": budget, "all_experts_resident": resident, "tokens": len(steps), "tpot_s": step,
-        "compute_s_per_expert": compute, "layer_makespan_s": fig["layer_makespan_s"],
-        "sparse_s_per_step": sparse, "dense_s_per_token": max(0.0, step - sparse) if step is not None else None,
-        "torch_threads": torch.get_num_threads(), "workload": "corpus (teacher-forced, model.generate: encoder-decoder)",
-        "window": rt.window, "hits": dict(d["hits"]),
-    }
-    if resident and fig["sparse_layers_per_step"]:
-        out["layer_overhead_s"] = max(0.0, fig["layer_makespan_s"] - fig["experts_per_layer"] * compute)
-    return out
-
-
 def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens: int = 16, warmup: int = 8,
                     miss_tokens: int = 8, load_options: dict | None = None, served_tokens: int = 64,
                     served_share: float = 0.25) -> dict:
@@ -608,8 +626,6 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
         rt = model.zipmoe
         resident = holds_every_expert(rt)
         cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
-        if getattr(model.config, "is_encoder_decoder", False):
-            return generate_pass(model, rt, tok, cfg, budget, resident, tokens)
         prompt, forced = forced_stream(tok, cfg, warmup + tokens + 1)
         warm, timed = forced[:warmup], forced[warmup:warmup + tokens]
         graphs = rt.device.type == "cuda" and rt.slots is not None
@@ -629,7 +645,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
             "sparse_s_per_step": best["step_s"] - best["dense_s_per_token"],
             "dense_s_per_token": best["dense_s_per_token"],
             "torch_threads": torch.get_num_threads(),
-            "workload": "corpus (teacher-forced)",
+            "workload": "corpus (teacher-forced" + (", model.generate: encoder-decoder)"
+                                                    if getattr(model.config, "is_encoder_decoder", False) else ")"),
         }
         if resident and best["sparse_layers_per_step"]:
             # every expert whole: a layer's makespan is its computes plus the runtime's own work

@@ -107,8 +107,10 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: 2026); 7 = β fitted to a served run of one compressed pool at capacity (``step_costs["beta_fit"]``, 7 Dec
 #: 2026: the β pass measured 2.62 ms on an H100 where serving implied 0.7); 8 = the passes load at the
 #: budget the runtime's own arithmetic gives for every expert whole (passes.resident_budget, 8 Dec 2026: on
-#: CUDA DeepSeek-V2-Lite's "resident" passes had served compressed hits and misses); older ones are measured again
-PROFILE_REVISION = 8
+#: CUDA DeepSeek-V2-Lite's "resident" passes had served compressed hits and misses); 9 = an encoder-decoder's
+#: passes serve every state through ``model.generate`` (passes._generate_stream, 8 Dec 2026: before, its
+#: profile had the resident step alone and no ``step_costs``); older ones are measured again
+PROFILE_REVISION = 9
 
 
 # ---------------------------------------------------------------------------------- identity
