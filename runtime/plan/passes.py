@@ -233,7 +233,8 @@ def state_pass(model, rt, state: str, prompt, forced) -> dict:
     if state == "none":
         reads, read_bytes, read_s = d["reads_by_state"].get("none", [0, 0, 0.0])
         out.update(reads=int(reads), read_bytes=int(read_bytes), read_s=float(read_s),
-                   admit_s=float(d["time_s"]["admit"]), fetched=int(d["hits"].get("none", 0)))
+                   admit_s=float(d["time_s"]["admit"]), fetched=int(d["hits"].get("none", 0)),
+                   merge_s=float(d["time_s"]["merge"]))
     if state == "compressed":
         out["compressed_share"] = out["state_share"]
     return out
@@ -378,7 +379,8 @@ def served_pass(model, rt, prompt, forced, capacity: int, pool: str = "full") ->
         rt.swap_cache(old)
     return {"state": "served at capacity", "pool": pool, "capacity": int(capacity), "steps": len(times),
             "mean_step_s": float(np.mean(times)) if times else None, "step_s_all": [float(t) for t in times],
-            "hits": dict(d["hits"]), "fresh_buffers": int(d.get("fresh_buffers", 0)), "routing": routing}
+            "hits": dict(d["hits"]), "fresh_buffers": int(d.get("fresh_buffers", 0)), "routing": routing,
+            "merge_s": float(d["time_s"]["merge"]), "fetched": int(d["hits"].get("none", 0))}
 
 
 class _PoolsView:
@@ -390,17 +392,37 @@ class _PoolsView:
         self.cache = rt.cache  # its aging period is the served cache's (``Runtime._new_cache``)
 
 
-def served_miss_scale(sc: dict, served: dict, rt) -> dict | None:
+def first_touch_s(served: dict, merge_s_per_fetch: float | None, workers: int = 1) -> float:
+    """Seconds per step the served run's merges took beyond the all-miss pass's per fetched tensor,
+    spread over the decode workers: the first touch of memory the run's cache had not held yet.
+    The served run starts from an empty cache that its steps do not fill, so every tensor it admits
+    is written into memory the process never touched (on the CPU, where a full tensor is a fresh
+    allocation; page faults, about 1 ms per MiB on the CPU box: merge 4.7-7.5 ms per 4.5 MiB tensor
+    against 0.3-0.6 ms in the passes, whose dropped tensors' memory is reused at once). A run whose
+    cache is full reuses what it evicts and does not pay it (docs/benchmarks.md §27d); 0 without
+    the figures."""
+    steps, fetched = int(served.get("steps") or 0), int(served.get("fetched") or 0)
+    if merge_s_per_fetch is None or served.get("merge_s") is None or steps <= 0:
+        return 0.0
+    return max(0.0, float(served["merge_s"]) - fetched * float(merge_s_per_fetch)) / max(1, int(workers)) / steps
+
+
+def served_miss_scale(sc: dict, served: dict, rt, merge_s_per_fetch: float | None = None) -> dict | None:
     """Fit the miss cost to a served run. The cost model (``StepTable`` over the per-state costs
     ``sc``) charged for the served pass's own routing, replayed through the same cache
     (runtime/plan/replay.py ``model_run``: its hits are the run's), against the pass's measured
-    mean step: ``scale = (measured - resident) / (model - resident)``, the factor the misses'
+    mean step net of the first touch of fresh memory (:func:`first_touch_s`, with the all-miss
+    pass's merge time per fetched tensor ``merge_s_per_fetch``):
+    ``scale = (measured - first touch - resident) / (model - resident)``, the factor the misses'
     costs (``per_expert_s["none"]`` and the miss curve) take so that the model charges the run
     what it took. The passes that drop experts read moments before (``none``, ``misses_j``)
     measure a miss cheaper than a run whose misses are experts evicted long before (docs/
     benchmarks.md §22e: 1.4-2.0x on the CPU box); the served run is the serving path at capacity.
-    Returns ``{"scale", "measured_step_s", "model_step_s", "capacity", "steps"}`` or None when the
-    run had no misses to fit or the model charges it nothing."""
+    Its first touches are not the misses' cost: fitted into them (profile revision 9 and before)
+    they scaled SwitchTransformers' misses 3x on the CPU box, where runs with a full cache paid
+    the passes' cost, and the planner chose E-only slots that lost 1.14-1.21x (§27d).
+    Returns ``{"scale", "measured_step_s", "first_touch_s", "model_step_s", "capacity", "steps"}``
+    or None when the run had no misses to fit or the model charges it nothing."""
     from zipmoe.runtime.plan.replay import model_run
 
     if not served.get("mean_step_s") or not served.get("routing"):
@@ -409,13 +431,14 @@ def served_miss_scale(sc: dict, served: dict, rt) -> dict | None:
     if m is None:
         return None
     base = float(sc["resident_step_s"])
+    touch = first_touch_s(served, merge_s_per_fetch, getattr(rt, "workers", 1))
     extra_model = float(m["model_tpot_s"]) - base
-    extra_run = float(served["mean_step_s"]) - base
+    extra_run = float(served["mean_step_s"]) - touch - base
     if extra_model <= 0 or m["model_hits"].get("none", 0.0) <= 0:
         return None
     return {"scale": max(0.5, min(3.0, extra_run / extra_model)), "measured_step_s": float(served["mean_step_s"]),
-            "model_step_s": float(m["model_tpot_s"]), "capacity": int(served["capacity"]), "steps": int(served["steps"]),
-            "misses_per_layer_call": float(m["model_hits"]["none"])}
+            "first_touch_s": touch, "model_step_s": float(m["model_tpot_s"]), "capacity": int(served["capacity"]),
+            "steps": int(served["steps"]), "misses_per_layer_call": float(m["model_hits"]["none"])}
 
 
 def scale_misses(sc: dict, scale: float) -> dict:
@@ -680,7 +703,8 @@ def measure_runtime(path, layout, device: str = "cpu", workers: int = 1, tokens:
                 s_prompt, s_forced = forced_stream(tok, cfg, served_tokens)
                 served = served_pass(model, rt, s_prompt, s_forced, cap)
                 passes["served"] = {k: v for k, v in served.items() if k != "routing"}
-                fit = served_miss_scale(sc, served, rt)
+                none = passes["none"]
+                fit = served_miss_scale(sc, served, rt, none["merge_s"] / none["fetched"] if none.get("fetched") else None)
                 if fit is not None:
                     fit["passes_miss_s"] = float(sc["per_expert_s"]["none"])
                     sc = scale_misses(sc, fit["scale"])

@@ -109,8 +109,10 @@ PROFILE_FORMAT = "zipmoe-profile/1"
 #: budget the runtime's own arithmetic gives for every expert whole (passes.resident_budget, 8 Dec 2026: on
 #: CUDA DeepSeek-V2-Lite's "resident" passes had served compressed hits and misses); 9 = an encoder-decoder's
 #: passes serve every state through ``model.generate`` (passes._generate_stream, 8 Dec 2026: before, its
-#: profile had the resident step alone and no ``step_costs``); older ones are measured again
-PROFILE_REVISION = 9
+#: profile had the resident step alone and no ``step_costs``); 10 = the served fit nets out the first touch of
+#: fresh memory (passes.first_touch_s, 8 Dec 2026: it had scaled Switch's misses 3x on the CPU box); older ones
+#: are measured again
+PROFILE_REVISION = 10
 
 
 # ---------------------------------------------------------------------------------- identity
