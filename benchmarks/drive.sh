@@ -602,12 +602,12 @@ paper_bench() {  # paper_bench TAG BUDGET BENCH-OPTIONS...: zipmoe's engines at 
 }
 
 paper_baselines() {  # the baselines on the source (cold, batch 1, ACC_TIME_LIMIT per run): PAPER_BASELINES (default
-    # "accelerate deepspeed") at both budgets, or PAPER_BASELINES_<tag> for one model (PAPER_BASELINES_ds="": none for
-    # DeepSeek, where an earlier sitting has them); PAPER_DEEPSPEED_BUDGETS=first runs DeepSpeed at the smaller budget alone
+    # "accelerate deepspeed"; PAPER_BASELINES="": none) at both budgets, or PAPER_BASELINES_<tag> for one model
+    # (PAPER_BASELINES_ds="": none for DeepSeek, where an earlier sitting has them); PAPER_DEEPSPEED_BUDGETS=first runs DeepSpeed at the smaller budget alone
     # (its NVMe offload keeps no parameter between uses, max_in_cpu 0: the budget sizes its buffers, not what it reads)
     local t=$1 b e budgets=() first=() engines=() ds_first= own=PAPER_BASELINES_$1
     for b in $(paper_budgets "$t"); do budgets+=(--budget "$b"); [ ${#first[@]} = 0 ] && first=(--budget "$b"); done
-    for e in ${!own-${PAPER_BASELINES:-accelerate deepspeed}}; do
+    for e in ${!own-${PAPER_BASELINES-accelerate deepspeed}}; do
         if [ "$e" = deepspeed ] && [ "${PAPER_DEEPSPEED_BUDGETS:-all}" = first ]; then ds_first=1; else engines+=(--engine "$e"); fi
     done
     [ ${#engines[@]} -gt 0 ] && stage "$t-baselines" 600 paper_baseline_bench "$t" "${engines[@]}" "${budgets[@]}"
