@@ -22,7 +22,8 @@ runtime's counters:
   merge), with the runtime's prefetch setting (so with prefetch on these are prefetched misses);
 * ``served`` (without CUDA graphs): a run at capacity, from an empty cache whose full pool holds
   a quarter of the experts, LFU evicting: the misses' costs are scaled so that the cost model charges
-  this run's own routing what it took (:func:`served_miss_scale`). The passes above drop experts
+  this run's own routing what it took, net of the first touch of the memory its cache newly holds
+  (:func:`served_miss_scale`, :func:`first_touch_s`). The passes above drop experts
   read moments before; a run's misses are experts evicted long before, and on the CPU box they
   cost 1.4-2.0x more (docs/benchmarks.md §22e).
 
