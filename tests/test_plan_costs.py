@@ -458,6 +458,24 @@ def test_encoder_decoder_stream_feeds_the_forced_tokens_through_generate(switch_
     assert P.routing_of(model, rt, prompt, forced) == routing[1:]  # the same stream routes the same
 
 
+def test_encoder_decoder_batch_passes_serve_rows_through_generate(switch_container):
+    """``zipmoe plan --batch N`` on an encoder-decoder: the batch passes feed N rows through
+    ``generate`` (each row its own forced stream), every state's pass in its state, with the
+    experts a layer call chose across the rows measured."""
+    pytest.importorskip("zipmoe.runtime.engine.loader")
+    from zipmoe.runtime.plan.batched import measure_batch
+
+    path, layout = switch_container
+    out = measure_batch(path, layout, 3, "cpu", workers=1, tokens=3, warmup=2)
+    assert out["batch"] == 3 and out["tokens"] == 3 and out["all_experts_resident"]
+    p = out["passes"]
+    assert p["resident"]["state_share"] == 1.0 and p["resident"]["steps"] == 3
+    for s in ("compressed", "sm_only", "e_only", "none"):
+        assert p[s]["state_share"] >= 0.9, (s, p[s]["hits"])
+    # three rows of top-1: between one and three experts per layer call
+    assert 1.0 <= out["experts_per_layer"] <= 3.0 and out["step_costs"]["per_expert_s"]["none"] > 0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs CUDA")])])
 def test_encoder_decoder_passes_serve_every_state(switch_container, device):
