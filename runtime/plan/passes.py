@@ -432,7 +432,7 @@ def served_miss_scale(sc: dict, served: dict, rt, merge_s_per_fetch: float | Non
     if m is None:
         return None
     base = float(sc["resident_step_s"])
-    touch = first_touch_s(served, merge_s_per_fetch, getattr(rt, "workers", 1))
+    touch = first_touch_s(served, merge_s_per_fetch, rt.workers)
     extra_model = float(m["model_tpot_s"]) - base
     extra_run = float(served["mean_step_s"]) - touch - base
     if extra_model <= 0 or m["model_hits"].get("none", 0.0) <= 0:
