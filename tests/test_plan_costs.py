@@ -164,6 +164,14 @@ def test_planner_chooses_full_only_when_the_measured_states_say_so_and_prints_wh
     text = "\n".join(make_plan(layout, budget, stats, prof, workers=1)["explain"])
     assert "a miss fitted to a served run at capacity (64 steps, 300 MiB of full tensors)" in text
     assert "50.0 ms per step measured against 35.0 ms charged with the passes' 3.400 ms per miss, so misses cost 1.60x" in text
+    # the first touch netted out of the measured step is named where it counts (0.1 ms or more)
+    prof["step_costs"]["served_fit"]["first_touch_s"] = 0.0032
+    text = "\n".join(make_plan(layout, budget, stats, prof, workers=1)["explain"])
+    assert ("50.0 ms per step measured (3.2 of them first touches of fresh memory, not the misses') against 35.0 ms"
+            in text)
+    prof["step_costs"]["served_fit"]["first_touch_s"] = 2e-6
+    text = "\n".join(make_plan(layout, budget, stats, prof, workers=1)["explain"])
+    assert "first touches" not in text and "50.0 ms per step measured against 35.0 ms" in text
 
 
 def test_planner_mixes_pools_when_decompression_is_cheap_against_the_disk():

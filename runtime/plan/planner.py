@@ -377,7 +377,7 @@ class Planner:
                 lines.append(f"a miss fitted to a served run at capacity ({fit['steps']} steps, {fit['capacity'] / 2**20:.0f} MiB of full tensors): "
                              f"{1e3 * fit['measured_step_s']:.1f} ms per step measured"
                              + (f" ({1e3 * fit['first_touch_s']:.1f} of them first touches of fresh memory, not the misses')"
-                                if fit.get("first_touch_s") else "")
+                                if (fit.get("first_touch_s") or 0.0) >= 5e-5 else "")  # (shown where it is 0.1 ms or more)
                              + f" against {1e3 * fit['model_step_s']:.1f} ms charged with the passes' "
                              f"{1e3 * fit['passes_miss_s']:.3f} ms per miss, so misses cost {fit['scale']:.2f}x that")
             bf = self.step_costs.get("beta_fit")
